@@ -1,0 +1,1 @@
+"""Python helpers of the NSCLC-Radiomics SwinUNETR bundle, imported by the configs as ``scripts.<module>``."""

@@ -1,0 +1,65 @@
+"""Fail-fast checks of the training configuration, run by ``initialize`` before any data is touched.
+
+A wrong value should cost seconds, not the hour it takes to cache 422 CT volumes: each check raises
+:class:`ConfigError` with the id to change and a value that works.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Sequence
+
+from scripts.dicom import normalize_name
+
+#: segment labels used by the NSCLC-Radiomics SEG objects (GTV-2, GTV-3, ... exist for some patients)
+NSCLC_SEGMENTS = ("GTV-1", "GTV-2", "GTV-3", "GTV-4", "Lung-Left", "Lung-Right", "Heart", "Esophagus", "Spinal-Cord")
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot work; the message names the id and what to set instead."""
+
+
+def check_config(
+    labels: Sequence[str],
+    roi_size: Sequence[int],
+    spacing: Sequence[float],
+    hu_window: Sequence[float],
+    collection: str = "NSCLC-Radiomics",
+) -> bool:
+    """Validate the ids that shape the whole run; returns True so it can sit in ``initialize``."""
+    check_labels(labels, collection)
+    check_roi_size(roi_size)
+    if len(spacing) != 3 or any(float(s) <= 0 for s in spacing):
+        raise ConfigError(f"spacing={list(spacing)}: give three positive voxel sizes in mm, e.g. [1.0, 1.0, 3.0].")
+    if len(hu_window) != 2 or float(hu_window[0]) >= float(hu_window[1]):
+        raise ConfigError(f"hu_window={list(hu_window)}: give [lower, upper] HU with lower < upper, e.g. [-1000, 500].")
+    return True
+
+
+def check_roi_size(roi_size: Sequence[int]) -> None:
+    """SwinUNETR halves the patch five times: each side must be a multiple of 32 (and >= 64, see below)."""
+    roi = [int(r) for r in roi_size]
+    if len(roi) != 3 or any(r % 32 or r < 64 for r in roi):
+        fixed = [max(64, 32 * round(r / 32)) for r in roi] if len(roi) == 3 else [96, 96, 96]
+        raise ConfigError(
+            f"roi_size={roi}: each side must be a multiple of 32 and at least 64 (SwinUNETR downsamples by 32; at 32 "
+            f'the bottleneck is a single voxel and instance norm fails). Try --roi_size "{fixed}".'
+        )
+
+
+def check_labels(labels: Sequence[str], collection: str = "NSCLC-Radiomics") -> None:
+    """Labels must be SEG segment names; for NSCLC-Radiomics they must match a segment the collection has."""
+    if isinstance(labels, str) or not labels:
+        raise ConfigError(f"labels={labels!r}: give a list of SEG segment names, e.g. \"['GTV-1']\".")
+    if len(set(map(normalize_name, labels))) != len(labels):
+        raise ConfigError(f"labels={list(labels)}: a structure is listed twice.")
+    if collection != "NSCLC-Radiomics":
+        return
+    known = [normalize_name(s) for s in NSCLC_SEGMENTS]
+    for name in labels:
+        pattern = normalize_name(name)
+        if not any(fnmatch.fnmatchcase(k, pattern) for k in known):
+            raise ConfigError(
+                f"labels: {name!r} is not a segment of NSCLC-Radiomics; use names from {list(NSCLC_SEGMENTS)} "
+                "(case, spaces and dashes are ignored; 'GTV*' merges all GTVs)."
+            )

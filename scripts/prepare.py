@@ -1,0 +1,301 @@
+"""One-time conversion of TCIA-layout DICOM cases to NIfTI, a deterministic split, and a report of bad cases.
+
+Input: ``<dataset_dir>/<collection>/<PatientID>/<SeriesNumber>/{image,seg}/*.dcm`` -- the layout written by
+``scripts.tcia``, ``scripts.synthetic`` and ``monai.apps.TciaDataset``.
+
+Output (``<output_dir>``):
+
+* ``images/<case>.nii.gz`` -- CT in HU, int16, on the scanner grid (resampling happens in the training transforms);
+* ``labels/<case>.nii.gz`` -- uint8, 0 = background, ``i + 1`` = ``labels[i]`` (1 = GTV by default);
+* ``datalist.json`` -- ``training`` (each case with a ``fold``), ``validation`` and ``test`` lists. The split depends
+  only on the patient ids and the seed (a hash order), never on the file system's listing order or the machine;
+* ``prepare_report.json`` -- every case with its status; rejected cases carry a reason naming the file.
+
+DICOM is parsed here once; training reads only the NIfTI files. A re-run skips cases whose outputs are newer than
+their inputs (and were made for the same labels). Every file is written under a temporary name and renamed, so a
+killed run never leaves a half-written file behind.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import multiprocessing
+import os
+from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from pathlib import Path
+
+import nibabel as nib
+import numpy as np
+from tqdm import tqdm
+
+from scripts.dicom import DicomCaseError, find_seg_file, read_case
+
+logger = logging.getLogger(__name__)
+
+DATALIST = "datalist.json"
+REPORT = "prepare_report.json"
+
+
+class PrepareError(RuntimeError):
+    """The whole run cannot proceed (no cases, or a configuration that matches no case)."""
+
+
+def prepare(
+    dataset_dir: str | Path,
+    output_dir: str | Path,
+    labels: Sequence[str] = ("GTV-1",),
+    collection: str = "NSCLC-Radiomics",
+    val_fraction: float = 0.2,
+    test_fraction: float = 0.1,
+    num_folds: int = 5,
+    seed: int = 0,
+    num_workers: int | None = None,
+    progress: bool = True,
+) -> dict:
+    """Convert every case under ``dataset_dir/collection`` and write the datalist and the report.
+
+    Returns the report (also saved as ``prepare_report.json``). Raises :class:`PrepareError` when no case could
+    be prepared, with the most common reasons, so that a wrong ``labels`` value fails at once.
+    """
+    labels = _check_labels(labels)
+    if not 0 <= val_fraction < 1 or not 0 <= test_fraction < 1 or val_fraction + test_fraction >= 1:
+        raise ValueError(f"val_fraction={val_fraction} and test_fraction={test_fraction} must leave training cases.")
+    output_dir = Path(output_dir)
+    cases = find_cases(dataset_dir, collection)
+    previous = _load_json(output_dir / REPORT) or {}
+    same_labels = previous.get("labels") == labels
+    old_records = {r["case_id"]: r for r in previous.get("cases", []) if same_labels}
+
+    for sub in ("images", "labels"):
+        (output_dir / sub).mkdir(parents=True, exist_ok=True)
+    records: dict[str, dict] = {}
+    todo = []
+    for case in cases:
+        old = old_records.get(case["case_id"])
+        if old and old.get("status") in ("prepared", "up_to_date") and _up_to_date(case, output_dir):
+            records[case["case_id"]] = {**old, "status": "up_to_date"}
+        else:
+            todo.append(case)
+
+    workers = min(num_workers if num_workers is not None else (os.cpu_count() or 1), max(len(todo), 1))
+    bar = tqdm(total=len(todo), desc="prepare", unit="case", disable=not progress or not todo)
+    if workers <= 1:
+        for case in todo:
+            records[case["case_id"]] = prepare_case(case, output_dir, labels)
+            bar.update()
+    else:
+        # spawn, not fork: the parent may hold torch/OpenMP threads that a forked child would inherit broken
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+            futures = [pool.submit(prepare_case, case, output_dir, labels) for case in todo]
+            for future in as_completed(futures):
+                record = future.result()
+                records[record["case_id"]] = record
+                bar.update()
+    bar.close()
+
+    ordered = [records[c["case_id"]] for c in cases]
+    good = [r for r in ordered if r["status"] != "rejected"]
+    rejected = [r for r in ordered if r["status"] == "rejected"]
+    for record in rejected:
+        logger.warning("rejected %s: %s", record["case_id"], record["reason"])
+    if not good:
+        reasons = sorted({r["reason"] for r in rejected})[:5]
+        raise PrepareError(
+            f"none of the {len(cases)} cases under {Path(dataset_dir) / collection} could be prepared for labels "
+            f"{labels}. Reasons include:\n  " + "\n  ".join(reasons)
+        )
+
+    datalist = split_cases(good, val_fraction, test_fraction, num_folds, seed)
+    datalist.update({"labels": labels, "collection": collection})
+    report = {
+        "dataset_dir": str(Path(dataset_dir).resolve()),
+        "collection": collection,
+        "labels": labels,
+        "num_cases": len(cases),
+        "num_prepared": sum(r["status"] == "prepared" for r in ordered),
+        "num_up_to_date": sum(r["status"] == "up_to_date" for r in ordered),
+        "num_rejected": len(rejected),
+        "rejected": [{k: r[k] for k in ("case_id", "path", "reason")} for r in rejected],
+        "cases": ordered,
+    }
+    _write_json(output_dir / DATALIST, datalist)
+    _write_json(output_dir / REPORT, report)
+    logger.info(
+        "prepared %d, up to date %d, rejected %d -> %s",
+        report["num_prepared"],
+        report["num_up_to_date"],
+        len(rejected),
+        output_dir,
+    )
+    return report
+
+
+def find_cases(dataset_dir: str | Path, collection: str = "NSCLC-Radiomics") -> list[dict]:
+    """List the case folders ``<collection>/<PatientID>/<SeriesNumber>`` in sorted order.
+
+    The case id is the patient id, or ``<PatientID>_<SeriesNumber>`` when a patient has several series folders.
+    TciaDataset's ``raw`` download folder is ignored.
+    """
+    root = Path(dataset_dir) / collection
+    if not root.is_dir():
+        raise PrepareError(
+            f"{root} does not exist. Download the data with `python -m scripts.tcia download --dataset_dir "
+            f"{dataset_dir}` or point --dataset_dir at the folder that contains '{collection}/'."
+        )
+    cases = []
+    for patient in sorted(p for p in root.iterdir() if p.is_dir() and p.name != "raw" and not p.name.startswith(".")):
+        series = sorted(s for s in patient.iterdir() if s.is_dir() and not s.name.startswith("."))
+        for s in series:
+            case_id = patient.name if len(series) == 1 else f"{patient.name}_{s.name}"
+            cases.append({"case_id": case_id, "patient_id": patient.name, "path": str(s)})
+    if not cases:
+        raise PrepareError(f"{root} holds no <PatientID>/<SeriesNumber>/ folders; is the download complete?")
+    return cases
+
+
+def prepare_case(case: dict, output_dir: str | Path, labels: Sequence[str]) -> dict:
+    """Convert one case; never raises for bad data -- returns a ``rejected`` record with the reason instead."""
+    output_dir = Path(output_dir)
+    series_dir = Path(case["path"])
+    record = {**case, "status": "rejected"}
+    try:
+        seg_file = find_seg_file(series_dir / "seg")
+        image_dir = series_dir / "image"
+        if not image_dir.is_dir():
+            raise DicomCaseError(f"{image_dir}: no image folder; the CT series of this case was not downloaded.")
+        volumes = read_case(image_dir, seg_file, labels)
+        for index, name in enumerate(labels):
+            if not np.any(volumes.label == index + 1):
+                raise DicomCaseError(
+                    f"{seg_file}: segment(s) {volumes.segments[name]} for label {name!r} are empty "
+                    "(e.g. a post-operative scan without tumour); the case cannot be used for training."
+                )
+        image_path = output_dir / "images" / f"{case['case_id']}.nii.gz"
+        label_path = output_dir / "labels" / f"{case['case_id']}.nii.gz"
+        _save_nifti(image_path, volumes.image, volumes.affine)
+        _save_nifti(label_path, volumes.label, volumes.affine)
+    except DicomCaseError as err:
+        record["reason"] = f"{case['case_id']}: {err}"
+        return record
+    except Exception as err:  # an unexpected failure in one case must not end a 422-case run
+        logger.exception("unexpected error in %s", case["case_id"])
+        record["reason"] = f"{case['case_id']}: unexpected {type(err).__name__} in {series_dir}: {err}"
+        return record
+
+    spacing = [round(s, 4) for s in volumes.info["spacing"]]
+    voxel_ml = float(np.prod(spacing)) / 1000.0
+    record.update(
+        status="prepared",
+        image=f"images/{image_path.name}",
+        label=f"labels/{label_path.name}",
+        shape=volumes.info["shape"],
+        spacing=spacing,
+        orientation="".join(nib.aff2axcodes(volumes.affine)),
+        segments=volumes.segments,
+        volumes_ml={name: round(float((volumes.label == i + 1).sum()) * voxel_ml, 3) for i, name in enumerate(labels)},
+    )
+    return record
+
+
+def split_cases(records: Sequence[dict], val_fraction: float, test_fraction: float, num_folds: int, seed: int) -> dict:
+    """Split cases by patient into training (with folds), validation and test lists.
+
+    Patients are ordered by ``sha256(f"{seed}:{patient_id}")``: the split is the same on every machine, and adding
+    or removing a case moves few others. All series of a patient land in the same list (no leakage).
+    """
+    patients = sorted({r["patient_id"] for r in records}, key=lambda p: hashlib.sha256(f"{seed}:{p}".encode()).digest())
+    n = len(patients)
+    n_test = round(n * test_fraction)
+    n_val = round(n * val_fraction)
+    if n >= 2 and val_fraction > 0:
+        n_val = max(n_val, 1)
+    n_test = min(n_test, max(n - n_val - 1, 0))
+    role = {p: "test" for p in patients[:n_test]}
+    role.update({p: "validation" for p in patients[n_test : n_test + n_val]})
+    train_patients = patients[n_test + n_val :]
+    fold = {p: i % max(num_folds, 1) for i, p in enumerate(train_patients)}
+
+    datalist: dict = {"seed": seed, "num_folds": num_folds, "training": [], "validation": [], "test": []}
+    for r in sorted(records, key=lambda r: r["case_id"]):
+        entry = {"image": r["image"], "label": r["label"], "case_id": r["case_id"], "patient_id": r["patient_id"]}
+        if r["patient_id"] in fold:
+            datalist["training"].append({**entry, "fold": fold[r["patient_id"]]})
+        else:
+            datalist[role[r["patient_id"]]].append(entry)
+    return datalist
+
+
+def _check_labels(labels: Sequence[str] | str) -> list[str]:
+    if isinstance(labels, str):
+        labels = [labels]
+    labels = [str(x) for x in labels]
+    if not labels or any(not x.strip() for x in labels):
+        raise ValueError(f"labels={labels!r}: give one or more SEG segment names, e.g. ['GTV-1'].")
+    if len(labels) > 254:
+        raise ValueError("labels: at most 254 structures fit in a uint8 label map.")
+    return labels
+
+
+def _up_to_date(case: dict, output_dir: Path) -> bool:
+    outputs = [output_dir / sub / f"{case['case_id']}.nii.gz" for sub in ("images", "labels")]
+    if not all(p.is_file() for p in outputs):
+        return False
+    newest_input = max((p.stat().st_mtime for p in Path(case["path"]).rglob("*") if p.is_file()), default=0.0)
+    return min(p.stat().st_mtime for p in outputs) >= newest_input
+
+
+def _save_nifti(path: Path, array: np.ndarray, affine: np.ndarray) -> None:
+    """Write a NIfTI under a temporary name, then rename: readers never see half a file."""
+    image = nib.Nifti1Image(array, affine)
+    image.set_qform(affine, code=1)
+    image.set_sform(affine, code=1)
+    tmp = path.with_name(f".{path.name[: -len('.nii.gz')]}.tmp{os.getpid()}.nii.gz")
+    nib.save(image, tmp)
+    os.replace(tmp, path)
+
+
+def _write_json(path: Path, data: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=2))
+    os.replace(tmp, path)
+
+
+def _load_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def main(
+    dataset_dir: str,
+    output_dir: str,
+    labels: Sequence[str] = ("GTV-1",),
+    collection: str = "NSCLC-Radiomics",
+    val_fraction: float = 0.2,
+    test_fraction: float = 0.1,
+    num_folds: int = 5,
+    seed: int = 0,
+    num_workers: int | None = None,
+) -> None:
+    """CLI: ``python -m scripts.prepare --dataset_dir DIR --output_dir OUT [--labels "['GTV-1']"]``."""
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        report = prepare(
+            dataset_dir, output_dir, labels, collection, val_fraction, test_fraction, num_folds, seed, num_workers
+        )
+    except (PrepareError, ValueError) as err:
+        raise SystemExit(f"prepare: {err}") from None
+    print(
+        f"{report['num_prepared']} prepared, {report['num_up_to_date']} up to date, {report['num_rejected']} "
+        f"rejected (see {Path(output_dir) / REPORT})"
+    )
+
+
+if __name__ == "__main__":
+    import fire
+
+    fire.Fire(main)

@@ -1,0 +1,98 @@
+"""configs/metadata.json: valid against the model-zoo schema (built here, nothing downloaded) and truthful."""
+
+from __future__ import annotations
+
+import json
+import re
+from importlib.metadata import version
+from pathlib import Path
+
+import pytest
+
+TENSOR = {
+    "type": "object",
+    "required": ["type", "format", "num_channels", "spatial_shape", "dtype", "value_range", "is_patch_data"],
+    "properties": {
+        "type": {"type": "string"},
+        "format": {"type": "string"},
+        "modality": {"type": "string"},
+        "num_channels": {"type": "integer"},
+        "spatial_shape": {"type": "array"},
+        "dtype": {"type": "string"},
+        "value_range": {"type": "array"},
+        "is_patch_data": {"type": "boolean"},
+        "channel_def": {"type": "object"},
+    },
+}
+# the required part of MONAI's meta_schema_20240725.json
+SCHEMA = {
+    "$schema": "http://json-schema.org/draft-07/schema#",
+    "type": "object",
+    "required": [
+        "schema", "version", "changelog", "monai_version", "pytorch_version", "numpy_version",
+        "required_packages_version", "task", "description", "authors", "copyright", "network_data_format",
+    ],
+    "properties": {
+        "version": {"type": "string"},
+        "changelog": {"type": "object"},
+        "required_packages_version": {"type": "object", "additionalProperties": {"type": "string"}},
+        "network_data_format": {
+            "type": "object",
+            "required": ["inputs", "outputs"],
+            "properties": {
+                "inputs": {"type": "object", "additionalProperties": TENSOR},
+                "outputs": {"type": "object", "additionalProperties": TENSOR},
+            },
+        },
+    },
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def meta(root) -> dict:
+    return json.loads((root / "configs" / "metadata.json").read_text())
+
+
+def test_verify_metadata_passes(root, tmp_path):
+    from monai.bundle import verify_metadata
+
+    schema = tmp_path / "meta_schema.json"
+    schema.write_text(json.dumps(SCHEMA))  # present, so verify_metadata does not download
+    verify_metadata(meta_file=str(root / "configs" / "metadata.json"), filepath=str(schema))
+
+
+def test_schema_is_the_model_zoo_one_and_version_is_in_changelog(meta):
+    assert meta["schema"].endswith("meta_schema_20240725.json")
+    assert meta["version"] in meta["changelog"]
+
+
+def test_network_format_matches_the_task(meta):
+    image = meta["network_data_format"]["inputs"]["image"]
+    pred = meta["network_data_format"]["outputs"]["pred"]
+    assert (image["format"], image["num_channels"], image["spatial_shape"]) == ("hounsfield", 1, [96, 96, 96])
+    assert image["value_range"] == [0, 1] and image["is_patch_data"] is True
+    assert pred["num_channels"] == 2 and pred["channel_def"] == {"0": "background", "1": "GTV"}
+
+
+def test_pins_match_requirements_and_the_installed_packages(meta, root):
+    lines = (root / "requirements.txt").read_text().splitlines()
+    pins = dict(
+        re.match(r"([A-Za-z0-9_.-]+)==(\S+)", line).groups()
+        for line in lines
+        if "==" in line and not line.startswith("#")
+    )
+    for package, pinned in meta["required_packages_version"].items():
+        assert pins[package] == pinned, f"{package}: requirements.txt pins {pins[package]}, metadata says {pinned}"
+        assert version(package) == pinned
+    assert meta["monai_version"] == pins["monai"] == version("monai")
+
+
+def test_references_cite_the_data_and_the_network(meta):
+    text = " ".join(meta["references"])
+    assert "10.7937/K9/TCIA.2015.PF0M9REI" in text and "2201.01266" in text and "ncomms5006" in text
+
+
+def test_docs_and_license_exist(root):
+    for path in ("LICENSE", "docs/README.md", "docs/data_license.txt", "large_files.yml", "Dockerfile"):
+        assert Path(root / path).is_file(), path
+    assert "CC BY-NC 3.0" in (root / "docs" / "data_license.txt").read_text()
