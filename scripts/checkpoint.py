@@ -25,6 +25,8 @@ import numpy as np
 import torch
 from ignite.engine import Engine, Events
 
+from scripts.checks import as_bool
+
 logger = logging.getLogger(__name__)
 
 
@@ -74,7 +76,7 @@ class TrainingCheckpoint:
         path: str | Path,
         objects: Mapping[str, Any],
         evaluator: Engine | None = None,
-        resume: bool = False,
+        resume: bool | str = False,
         save_interval: int = 1,
         enabled: bool = True,
         transforms: Any = None,
@@ -82,7 +84,7 @@ class TrainingCheckpoint:
         self.path = Path(path)
         self.objects = {k: v for k, v in objects.items() if v is not None}
         self.evaluator = evaluator
-        self.resume = resume
+        self.resume = as_bool(resume, "resume")
         self.save_interval = max(int(save_interval), 1)
         self.enabled = enabled  # False on non-zero DDP ranks: they load but never write
         self.generators = _random_generators(transforms)

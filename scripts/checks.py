@@ -19,6 +19,20 @@ class ConfigError(ValueError):
     """A configuration value that cannot work; the message names the id and what to set instead."""
 
 
+def as_bool(value: bool | str | int, name: str = "flag") -> bool:
+    """A config flag as a bool. ``--resume true`` reaches the config as the *string* "true" (fire only parses
+    ``True``), and the string "false" is truthy, so every flag that can come from the command line goes through here.
+    """
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text in ("true", "1", "yes", "on"):
+            return True
+        if text in ("false", "0", "no", "off", "", "none", "null"):
+            return False
+        raise ConfigError(f"{name}={value!r}: expected true or false.")
+    return bool(value)
+
+
 def check_config(
     labels: Sequence[str],
     roi_size: Sequence[int],

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -30,3 +31,47 @@ def small_cases(tmp_path_factory) -> tuple[Path, list[dict]]:
     out = tmp_path_factory.mktemp("small_cases")
     truths = generate(out, num_cases=4, shape=SMALL_SHAPE, seed=100)
     return out, truths
+
+
+DEMO = "['configs/train.yaml','configs/demo.yaml']"
+
+
+def bundle_run(root: Path, *args: str, timeout: int = 900) -> subprocess.CompletedProcess:
+    """``python -m monai.bundle run ...`` from the bundle root, as a user types it."""
+    result = subprocess.run(
+        [sys.executable, "-m", "monai.bundle", "run", *args],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    return result
+
+
+def demo_args(tmp: Path, **overrides) -> list[str]:
+    """The demo config, pointed at a temporary folder and shrunk to a few steps."""
+    settings = {
+        "dataset_dir": str(tmp / "data"),
+        "prepared_dir": str(tmp / "prepared"),
+        "output_dir": str(tmp / "run"),
+        "demo_cases": 5,
+        "demo_shape": "[96,96,32]",
+        "num_samples": 1,
+        "val_interval": 1,
+        **overrides,
+    }
+    args = ["--config_file", DEMO]
+    for key, value in settings.items():
+        args += [f"--{key}", str(value)]
+    return args
+
+
+@pytest.fixture(scope="session")
+def demo_run(tmp_path_factory, root):
+    """The demo, shortened: 5 synthetic cases, 8 epochs of 3 steps."""
+    tmp = tmp_path_factory.mktemp("demo")
+    model_zoo_weights = root / "models" / "model.pt"
+    before = model_zoo_weights.stat().st_mtime_ns if model_zoo_weights.exists() else None
+    result = bundle_run(root, *demo_args(tmp, max_epochs=8, val_interval=2))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return tmp, result, before

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from scripts.checks import ConfigError, check_config, check_roi_size
+from scripts.checks import ConfigError, as_bool, check_config, check_roi_size
 
 GOOD = {"labels": ["GTV-1"], "roi_size": [96, 96, 96], "spacing": [1.0, 1.0, 3.0], "hu_window": [-1000, 500]}
 
@@ -32,3 +32,15 @@ def test_bad_labels_are_refused(labels):
 
 def test_other_collections_accept_their_own_names():
     assert check_config(**{**GOOD, "labels": ["Kidney"]}, collection="KiTS")
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"), [("true", True), ("False", False), ("false", False), ("1", True), (True, True)]
+)
+def test_command_line_flags_are_parsed_as_booleans(text, expected):
+    assert as_bool(text) is expected
+
+
+def test_unclear_flag_is_refused():
+    with pytest.raises(ConfigError, match="expected true or false"):
+        as_bool("maybe", "resume")

@@ -1,0 +1,174 @@
+"""The CT + DICOM SEG reader, checked in world coordinates against the synthetic writer's analytic truth.
+
+The writer (scripts.synthetic) and the reader (scripts.dicom) share no geometry code, so a flip, an axis swap or an
+off-by-one slice in either shows up here as voxels outside the analytic tumour.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pydicom
+import pytest
+
+from scripts.dicom import DicomCaseError, find_seg_file, normalize_name, read_case, read_ct_series
+from scripts.synthetic import tumour_contains, write_case
+
+SHAPE = (64, 64, 24)
+
+
+def voxel_centres_lps(affine_ras: np.ndarray, shape) -> np.ndarray:
+    """World (LPS, mm) coordinates of every voxel centre, from the NIfTI (RAS) affine the reader produced."""
+    ijk = np.stack(np.meshgrid(*[np.arange(n) for n in shape], indexing="ij"), axis=-1).reshape(-1, 3)
+    ras = ijk @ affine_ras[:3, :3].T + affine_ras[:3, 3]
+    return ras * np.array([-1.0, -1.0, 1.0])
+
+
+def read(truth: dict, labels=("GTV-1",)):
+    case_dir = Path(truth["image_dir"]).parent
+    return read_case(case_dir / "image", find_seg_file(case_dir / "seg"), labels)
+
+
+def assert_tumour_matches_truth(volumes, truth: dict) -> None:
+    inside = tumour_contains(truth, voxel_centres_lps(volumes.affine, volumes.label.shape)).reshape(volumes.label.shape)
+    label = volumes.label == 1
+    assert label.sum() == truth["tumour"]["num_voxels"]
+    mismatched = int((inside != label).sum())
+    assert mismatched == 0, f"{mismatched} voxels disagree with the analytic tumour"
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"sparse_seg": True},
+        {"sparse_seg": False},
+        {"reverse_instance_numbers": True},
+        {"shuffle_file_names": True},
+        {"shuffle_file_names": True, "reverse_instance_numbers": True, "sparse_seg": True},
+    ],
+    ids=["sparse", "dense", "reversed-instance-numbers", "shuffled-names", "all-at-once"],
+)
+def test_seg_aligns_with_ct_in_world_coordinates(tmp_path, options):
+    truth = write_case(tmp_path, "LUNG1-001", seed=7, shape=SHAPE, **options)
+    volumes = read(truth)
+    assert volumes.image.shape == tuple(SHAPE)
+    assert_tumour_matches_truth(volumes, truth)
+
+
+def test_sparse_seg_really_omits_frames(tmp_path):
+    truth = write_case(tmp_path, "LUNG1-001", seed=3, shape=SHAPE, sparse_seg=True)
+    seg = pydicom.dcmread(truth["seg_file"])
+    assert int(seg.NumberOfFrames) < SHAPE[2] * len(truth["segments"])
+
+
+def test_hounsfield_units_come_from_rescale(tmp_path):
+    truth = write_case(tmp_path, "LUNG1-001", seed=11, shape=SHAPE)
+    volumes = read(truth)
+    tumour = volumes.image[volumes.label == 1].astype(float)
+    assert abs(tumour.mean() - truth["hu"]["tumour"]) < 10
+    corner = volumes.image[:3, :3, :].astype(float)  # outside the body: air
+    assert abs(corner.mean() - truth["hu"]["air"]) < 20
+    assert volumes.image.dtype == np.int16
+
+
+@pytest.mark.parametrize("gtv_name", ["GTV1", "gtv 1", "Gtv_1"])
+def test_segment_names_match_tolerantly(tmp_path, gtv_name):
+    truth = write_case(tmp_path, "LUNG1-001", seed=5, shape=SHAPE, gtv_name=gtv_name)
+    volumes = read(truth, labels=("GTV-1",))
+    assert volumes.segments == {"GTV-1": [gtv_name]}
+    assert_tumour_matches_truth(volumes, truth)
+
+
+def test_several_labels_first_one_wins_where_they_overlap(tmp_path):
+    truth = write_case(tmp_path, "LUNG1-001", seed=9, shape=SHAPE)
+    lung = "Lung-Left" if truth["tumour"]["side"] == "left" else "Lung-Right"
+    labels = ["GTV-1", lung, "Heart"]
+    requested = list(labels)
+    volumes = read(truth, labels=labels)
+    assert labels == requested  # the caller's list is not mutated (MONAI's PydicomReader mutates label_dict)
+    assert_tumour_matches_truth(volumes, truth)
+    assert (volumes.label == 2).sum() > 0 and (volumes.label == 3).sum() > 0
+    # the lung segment contains the tumour, yet the tumour voxels stay label 1
+    assert (volumes.label == 2).sum() + truth["tumour"]["num_voxels"] >= truth["structures"][lung]["num_voxels"]
+
+
+def test_normalize_name():
+    assert normalize_name("GTV-1") == normalize_name("gtv 1") == normalize_name("GTV_1") == "gtv1"
+
+
+# ---------------------------------------------------------------- bad input: clear errors naming the file
+
+
+@pytest.fixture
+def case(tmp_path) -> dict:
+    return write_case(tmp_path, "LUNG1-009", seed=21, shape=SHAPE)
+
+
+def slice_files_by_z(image_dir: Path) -> list[Path]:
+    files = list(image_dir.glob("*.dcm"))
+    return sorted(files, key=lambda p: float(pydicom.dcmread(p, stop_before_pixels=True).ImagePositionPatient[2]))
+
+
+def test_missing_segment_names_the_file_and_the_segments(case):
+    with pytest.raises(DicomCaseError, match=r"no segment matches label 'Tumour'.*GTV-1") as err:
+        read(case, labels=("Tumour",))
+    assert Path(case["seg_file"]).name in str(err.value)
+
+
+def test_missing_slice_is_a_gap(case):
+    files = slice_files_by_z(Path(case["image_dir"]))
+    files[len(files) // 2].unlink()
+    with pytest.raises(DicomCaseError, match="1 missing slice"):
+        read_ct_series(case["image_dir"])
+
+
+def test_two_series_in_one_folder(case, tmp_path):
+    other = write_case(tmp_path / "other", "LUNG1-010", seed=22, shape=SHAPE)
+    shutil.copy(next(Path(other["image_dir"]).glob("*.dcm")), Path(case["image_dir"]) / "zz-intruder.dcm")
+    with pytest.raises(DicomCaseError, match="2 series are mixed"):
+        read_ct_series(case["image_dir"])
+
+
+def test_inconsistent_orientation(case):
+    path = slice_files_by_z(Path(case["image_dir"]))[3]
+    ds = pydicom.dcmread(path)
+    ds.ImageOrientationPatient = [1, 0, 0, 0, 0.9, -0.43588989]
+    ds.save_as(path)
+    with pytest.raises(DicomCaseError, match="ImageOrientationPatient") as err:
+        read_ct_series(case["image_dir"])
+    assert path.name in str(err.value)
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated"])
+def test_corrupt_file_is_named(case, damage):
+    path = slice_files_by_z(Path(case["image_dir"]))[5]
+    data = path.read_bytes()
+    path.write_bytes(b"not a dicom file" * 10 if damage == "garbage" else data[: len(data) // 2])
+    with pytest.raises(DicomCaseError) as err:
+        read_ct_series(case["image_dir"])
+    assert path.name in str(err.value)
+
+
+def test_seg_on_another_frame_of_reference(case):
+    seg = pydicom.dcmread(case["seg_file"])
+    seg.FrameOfReferenceUID = pydicom.uid.generate_uid()
+    seg.save_as(case["seg_file"])
+    with pytest.raises(DicomCaseError, match="FrameOfReferenceUID"):
+        read(case)
+
+
+def test_seg_referencing_another_series(case):
+    seg = pydicom.dcmread(case["seg_file"])
+    seg.ReferencedSeriesSequence[0].SeriesInstanceUID = pydicom.uid.generate_uid()
+    seg.save_as(case["seg_file"])
+    with pytest.raises(DicomCaseError, match="references series"):
+        read(case)
+
+
+def test_no_seg_folder(case):
+    seg_dir = Path(case["seg_file"]).parent
+    shutil.rmtree(seg_dir)
+    with pytest.raises(DicomCaseError, match="no seg folder"):
+        find_seg_file(seg_dir)
