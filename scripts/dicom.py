@@ -37,6 +37,8 @@ logger = logging.getLogger(__name__)
 SLICE_TOLERANCE = 0.1
 #: direction cosines of two slices count as equal below this difference
 ORIENTATION_TOLERANCE = 1e-4
+#: tags without which a slice cannot be placed in its series and in space
+REQUIRED_CT_TAGS = ("SeriesInstanceUID", "ImageOrientationPatient", "ImagePositionPatient", "PixelSpacing", "Rows", "Columns")
 #: LPS (DICOM patient) to RAS (NIfTI world) coordinates
 LPS_TO_RAS = np.diag([-1.0, -1.0, 1.0, 1.0])
 
@@ -106,24 +108,26 @@ def read_ct_series(image_dir: str | Path) -> CtSeries:
             ) from err
         headers.append((path, ds))
 
+    for path, ds in headers:
+        for tag in REQUIRED_CT_TAGS:
+            if tag not in ds:
+                raise DicomCaseError(
+                    f"{path}: has no {tag}; the file is truncated or not a CT slice. Download the case again."
+                )
+
     series = Counter(str(ds.get("SeriesInstanceUID", "")) for _, ds in headers)
     if len(series) > 1:
         detail = ", ".join(f"{uid} ({n} files)" for uid, n in series.most_common())
         raise DicomCaseError(
             f"{image_dir}: {len(series)} series are mixed in one image folder: {detail}; keep one series per folder."
         )
-    for path, ds in headers:
-        for tag in ("ImageOrientationPatient", "ImagePositionPatient", "PixelSpacing", "Rows", "Columns"):
-            if tag not in ds:
-                raise DicomCaseError(f"{path}: has no {tag}, so it cannot be placed in space; is it a CT slice?")
-
     path0, ds0 = headers[0]
     iop0 = np.asarray(ds0.ImageOrientationPatient, dtype=float)
     for path, ds in headers:
         iop = np.asarray(ds.ImageOrientationPatient, dtype=float)
         if np.abs(iop - iop0).max() > ORIENTATION_TOLERANCE:
             raise DicomCaseError(
-                f"{path}: ImageOrientationPatient {list(iop)} differs from {list(iop0)} in {path0.name}; "
+                f"{path}: ImageOrientationPatient {iop.tolist()} differs from {iop0.tolist()} in {path0.name}; "
                 "slices of one volume must share one orientation (is this a localizer or a reformatted series?)."
             )
         if (ds.Rows, ds.Columns) != (ds0.Rows, ds0.Columns) or not np.allclose(
