@@ -38,7 +38,14 @@ SLICE_TOLERANCE = 0.1
 #: direction cosines of two slices count as equal below this difference
 ORIENTATION_TOLERANCE = 1e-4
 #: tags without which a slice cannot be placed in its series and in space
-REQUIRED_CT_TAGS = ("SeriesInstanceUID", "ImageOrientationPatient", "ImagePositionPatient", "PixelSpacing", "Rows", "Columns")
+REQUIRED_CT_TAGS = (
+    "SeriesInstanceUID",
+    "ImageOrientationPatient",
+    "ImagePositionPatient",
+    "PixelSpacing",
+    "Rows",
+    "Columns",
+)
 #: LPS (DICOM patient) to RAS (NIfTI world) coordinates
 LPS_TO_RAS = np.diag([-1.0, -1.0, 1.0, 1.0])
 
