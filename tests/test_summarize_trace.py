@@ -1,0 +1,473 @@
+"""summarize_trace: per-section statistics from hand-made chrome traces whose answers are computed by hand here."""
+
+from __future__ import annotations
+
+import gzip
+import itertools
+import json
+import os
+import subprocess
+import sys
+import time
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from scripts import summarize_trace as st
+
+ROOT = Path(__file__).resolve().parents[1]
+MODULE = ROOT / "scripts" / "summarize_trace.py"
+PID, TID, OTHER_TID, GPU_PID, STREAM = 4242, 4242, 4300, 0, 7
+
+# Per step k (4 steps, starting at k * 10_000 µs): the durations the trace is built from, in µs.
+STEP_US = [5000, 4000, 4500, 6000]  # sorted 4000 4500 5000 6000: median 4750, mean 4875
+LOADER_FIRST_US = [800]
+LOADER_NEXT_US = [100, 400, 250]  # median 250, mean 250
+FWD_KERNEL_SPAN_US = [100, 300, 200, 1000]  # sorted 100 200 300 1000: median 250, mean 400
+BWD_KERNEL_SPAN_US = [500, 900, 400, 600]  # sorted 400 500 600 900: median 550, mean 600
+FWD_CPU_US = [1000, 1200, 900, 1100]  # sorted 900 1000 1100 1200: median 1050, mean 1050
+BWD_CPU_US = [1500, 1300, 1400, 1800]  # sorted 1300 1400 1500 1800: median 1450, mean 1500
+OPT_CPU_US = [50, 80, 60, 90]  # sorted 50 60 80 90: median 70, mean 70
+
+CUDA_LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel")
+HIP_LAUNCHES = ("hipLaunchKernel", "hipExtModuleLaunchKernel", "hipModuleLaunchKernel")
+
+EXPECTED_CPU = {
+    "step": (4, 4000e-6, 4875e-6, 4750e-6, 6000e-6),
+    "loader_first": (1, 800e-6, 800e-6, 800e-6, 800e-6),
+    "loader_next": (3, 100e-6, 250e-6, 250e-6, 400e-6),
+    "optimizer": (4, 50e-6, 70e-6, 70e-6, 90e-6),
+}
+EXPECTED_KERNELS = {
+    "forward": (4, 100e-6, 400e-6, 250e-6, 1000e-6),
+    "backward": (4, 400e-6, 600e-6, 550e-6, 900e-6),
+}
+EXPECTED_CPU_FALLBACK = {
+    "forward": (4, 900e-6, 1050e-6, 1050e-6, 1200e-6),
+    "backward": (4, 1300e-6, 1500e-6, 1450e-6, 1800e-6),
+}
+
+
+def section(name, ts, dur, *, tid=TID, pid=PID, cat="user_annotation"):
+    return {"ph": "X", "cat": cat, "name": f"__sec:{name}", "pid": pid, "tid": tid, "ts": ts, "dur": dur, "args": {}}
+
+
+def cpu_op(name, ts, dur):
+    return {"ph": "X", "cat": "cpu_op", "name": name, "pid": PID, "tid": TID, "ts": ts, "dur": dur, "args": {}}
+
+
+def launch(name, ts, corr, *, tid=TID, cat="cuda_runtime"):
+    args = {"cbid": 211, "correlation": corr}
+    return {"ph": "X", "cat": cat, "name": name, "pid": PID, "tid": tid, "ts": ts, "dur": 4, "args": args}
+
+
+def kernel(ts, dur, corr, *, cat="kernel"):
+    args = {"device": 0, "stream": STREAM, "correlation": corr}
+    return {
+        "ph": "X",
+        "cat": cat,
+        "name": "void k<float>()",
+        "pid": GPU_PID,
+        "tid": STREAM,
+        "ts": ts,
+        "dur": dur,
+        "args": args,
+    }
+
+
+def kernel_section(events, name, ts, cpu_dur, span, gpu_at, launches, corr):
+    """A range with three launches inside; their kernels run from gpu_at to gpu_at + span (listed last first)."""
+    events.append(section(name, ts, cpu_dur))
+    c1, c2, c3 = corr(), corr(), corr()
+    for i, c in enumerate((c1, c2, c3)):
+        events.append(cpu_op("aten::mm", ts + 10 + 100 * i, 50))
+        events.append(launch(launches[i % len(launches)], ts + 20 + 100 * i, c, cat=_runtime_cat(launches[0])))
+    events.append(kernel(gpu_at + span - 40, 40, c3))
+    events.append(kernel(gpu_at, 10, c1))
+    events.append(kernel(gpu_at + 20, 20, c2))
+
+
+def _runtime_cat(name):
+    return "hip_runtime" if name.startswith("hip") else "cuda_runtime"
+
+
+def make_trace(launches=CUDA_LAUNCHES, *, gpu=True):
+    """Four training steps; with gpu=False the same ranges and CPU ops without any launch or kernel."""
+    events = [{"ph": "M", "name": "process_name", "pid": PID, "tid": 0, "args": {"name": "python"}}]
+    corr = itertools.count(1).__next__  # correlation ids, as CUPTI hands them out
+    for k in range(4):
+        t = 10_000 * k
+        loader = ("loader_first", LOADER_FIRST_US[0]) if k == 0 else ("loader_next", LOADER_NEXT_US[k - 1])
+        events.append(section(loader[0], t, loader[1]))
+        events.append(section("step", t + 1000, STEP_US[k]))
+        gpu_events = []
+        kernel_section(gpu_events, "forward", t + 1100, FWD_CPU_US[k], FWD_KERNEL_SPAN_US[k], t + 2500, launches, corr)
+        kernel_section(gpu_events, "backward", t + 2400, BWD_CPU_US[k], BWD_KERNEL_SPAN_US[k], t + 5000, launches, corr)
+        events.append(section("optimizer", t + 4300, OPT_CPU_US[k]))
+        if gpu:
+            events.extend(gpu_events)
+            c = corr()  # the optimizer's launch: outside forward/backward, its kernel is not theirs
+            events += [launch(launches[0], t + 4310, c, cat=_runtime_cat(launches[0])), kernel(t + 7000, 500, c)]
+            # GPU-timeline copies of the ranges must not count as instances
+            events.append(section("forward", t + 2500, 5, pid=GPU_PID, tid=STREAM, cat="gpu_user_annotation"))
+        else:
+            events.extend(e for e in gpu_events if e["cat"] in ("user_annotation", "cpu_op"))
+    return {"schemaVersion": 1, "deviceProperties": [{"id": 0, "name": "Test GPU"}], "traceEvents": events}
+
+
+def kineto_text(trace):
+    """The trace in torch/kineto's layout: every event opens with a line holding only two spaces and '{'."""
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    body = ",\n".join(
+        "  {\n" + ",\n".join(f"    {json.dumps(k)}: {json.dumps(v)}" for k, v in ev.items()) + "\n  }" for ev in events
+    )
+    if isinstance(trace, list):
+        return "[\n" + body + "\n]\n"
+    head = "".join(f"  {json.dumps(k)}: {json.dumps(v)},\n" for k, v in trace.items() if k != "traceEvents")
+    tail = '  "displayTimeUnit": "ms",\n  "traceName": "/runs/__sec:kernel\\"cudaLaunch.json"\n'  # markers, not events
+    return "{\n" + head + '  "traceEvents": [\n' + body + "\n  ],\n" + tail + "}\n"
+
+
+def write(path, trace, layout="kineto"):
+    text = kineto_text(trace) if layout == "kineto" else json.dumps(trace, indent=None if layout == "compact" else 2)
+    path.write_text(text)
+    return path
+
+
+def check(sections, expected):
+    for name, (count, lo, mean, median, hi) in expected.items():
+        got = sections[name]
+        assert got["count"] == count, name
+        assert got["min_s"] == pytest.approx(lo, abs=1e-9), name
+        assert got["mean_s"] == pytest.approx(mean, abs=1e-9), name
+        assert got["median_s"] == pytest.approx(median, abs=1e-9), name
+        assert got["max_s"] == pytest.approx(hi, abs=1e-9), name
+
+
+def run_cli(*args, cwd=ROOT):
+    return subprocess.run(
+        [sys.executable, "-m", "scripts.summarize_trace", *map(str, args)],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+@pytest.mark.parametrize("launches", [CUDA_LAUNCHES, HIP_LAUNCHES], ids=["cuda", "hip"])
+def test_forward_and_backward_are_first_kernel_start_to_last_kernel_end(tmp_path, launches):
+    summary = st.summarize(write(tmp_path / "trace.json", make_trace(launches)))
+    check(summary["sections"], EXPECTED_KERNELS)
+    check(summary["sections"], EXPECTED_CPU)
+    assert summary["sources"]["forward"] == summary["sources"]["backward"] == "kernels"
+    assert summary["sources"]["step"] == "cpu"
+    assert summary["devices"] == ["Test GPU"]
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "cudaLaunchKernel",
+        "cudaLaunchKernelExC",
+        "cuLaunchKernel",
+        "cuLaunchKernelEx",
+        "cudaLaunchCooperativeKernel",
+        "cudaGraphLaunch",
+        "hipLaunchKernel",
+        "hipExtLaunchKernel",
+        "hipExtModuleLaunchKernel",
+        "hipModuleLaunchKernel",
+        "hipLaunchCooperativeKernel",
+        "hipGraphLaunch",
+    ],
+)
+def test_each_launch_name_ties_kernels_to_their_section(tmp_path, name):
+    summary = st.summarize(write(tmp_path / "trace.json", make_trace((name,))))
+    check(summary["sections"], EXPECTED_KERNELS)
+
+
+def test_a_launch_inside_nested_sections_counts_for_both(tmp_path):
+    events = [
+        section("backward", 0, 1000),
+        section("forward", 100, 100),  # recomputation inside backward (activation checkpointing)
+        launch("cudaLaunchKernel", 150, 1),
+        launch("cudaLaunchKernel", 500, 2),  # after the nested forward ended: backward's only
+        kernel(1000, 10, 1),
+        kernel(2000, 100, 2),
+    ]
+    summary = st.summarize(write(tmp_path / "trace.json", {"traceEvents": events}))
+    check(summary["sections"], {"forward": (1, 10e-6, 10e-6, 10e-6, 10e-6)})
+    check(summary["sections"], {"backward": (1, 1100e-6, 1100e-6, 1100e-6, 1100e-6)})
+
+
+def test_kernels_launched_outside_sections_or_on_other_threads_are_ignored(tmp_path):
+    trace = make_trace()
+    events = trace["traceEvents"]
+    # each would stretch the first forward instance (kernels 2500..2600) if it were counted
+    events += [launch("cudaLaunchKernel", 1050, 9001), kernel(2000, 10, 9001)]  # before forward, inside step
+    events += [launch("cudaLaunchKernel", 1150, 9002, tid=OTHER_TID), kernel(2100, 10, 9002)]  # other thread
+    events += [launch("cudaMemcpyAsync", 1160, 9003), kernel(2200, 10, 9003, cat="gpu_memcpy")]  # a copy
+    events += [launch("cudaLaunchKernel", 1170, 9004), kernel(2400, 10, 9004, cat="gpu_memset")]  # not a kernel
+    summary = st.summarize(write(tmp_path / "trace.json", trace))
+    check(summary["sections"], EXPECTED_KERNELS)
+
+
+def test_backward_counts_kernels_launched_by_the_autograd_thread(tmp_path):
+    events = [
+        section("backward", 0, 1000),
+        launch("cudaLaunchKernel", 200, 1, tid=OTHER_TID),  # autograd's device thread runs the backward ops
+        launch("cudaLaunchKernel", 900, 2, tid=OTHER_TID),
+        launch("cudaLaunchKernel", 1500, 3, tid=OTHER_TID),  # after the range: not backward's
+        kernel(1000, 10, 1),
+        kernel(1400, 100, 2),
+        kernel(3000, 100, 3),
+        section("forward", 2000, 100),
+        launch("cudaLaunchKernel", 2050, 4, tid=OTHER_TID),  # forward still needs its own thread
+        kernel(3500, 10, 4),
+    ]
+    summary = st.summarize(write(tmp_path / "trace.json", {"traceEvents": events}))
+    check(summary["sections"], {"backward": (1, 500e-6, 500e-6, 500e-6, 500e-6)})
+    assert summary["sources"]["forward"] == "cpu"
+
+
+def test_graph_launch_counts_every_kernel_of_its_correlation_and_suffixed_names_match(tmp_path):
+    events = [
+        section("forward", 0, 500),
+        launch("cudaGraphLaunch", 10, 1),
+        launch("cudaLaunchKernel_ptsz", 20, 2),
+        kernel(1000, 10, 1),
+        kernel(1100, 10, 1),
+        kernel(1200, 50, 2),
+        kernel(1300, 10, 1),  # graph kernels share the launch's correlation id
+    ]
+    summary = st.summarize(write(tmp_path / "trace.json", {"traceEvents": events}))
+    check(summary["sections"], {"forward": (1, 310e-6, 310e-6, 310e-6, 310e-6)})
+
+
+def test_cpu_only_trace_falls_back_to_range_durations(tmp_path):
+    summary = st.summarize(write(tmp_path / "trace.json", make_trace(gpu=False)))
+    check(summary["sections"], EXPECTED_CPU_FALLBACK)
+    check(summary["sections"], EXPECTED_CPU)
+    assert summary["sources"]["forward"] == "cpu"
+    assert summary["launches"] == summary["kernels"] == 0
+
+
+@pytest.mark.parametrize("layout", ["kineto", "compact", "indented"])
+@pytest.mark.parametrize("parser", ["auto", "json", "ijson"])
+def test_every_layout_and_parser_gives_the_same_answer(tmp_path, layout, parser):
+    if parser == "ijson":
+        pytest.importorskip("ijson")
+    trace = make_trace(HIP_LAUNCHES)
+    summary = st.summarize(write(tmp_path / "trace.json", trace, layout), parser=parser)
+    check(summary["sections"], EXPECTED_KERNELS)
+    check(summary["sections"], EXPECTED_CPU)
+    assert summary["events"] == len(trace["traceEvents"])
+    if parser == "auto":
+        assert summary["parser"] == ("json-skim" if layout == "kineto" else "json")
+
+
+def test_bare_event_list_is_accepted(tmp_path):
+    events = make_trace()["traceEvents"]
+    for layout in ("kineto", "compact"):
+        summary = st.summarize(write(tmp_path / f"{layout}.json", events, layout))
+        check(summary["sections"], EXPECTED_KERNELS)
+
+
+def test_events_in_any_file_order_give_the_same_answer(tmp_path):
+    trace = make_trace()
+    trace["traceEvents"].reverse()  # kernels before their launches, launches before their ranges
+    summary = st.summarize(write(tmp_path / "trace.json", trace))
+    check(summary["sections"], EXPECTED_KERNELS)
+    check(summary["sections"], EXPECTED_CPU)
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64, 4096])
+def test_reading_in_small_chunks_gives_the_same_answer(tmp_path, monkeypatch, chunk):
+    path = write(tmp_path / "trace.json", make_trace())
+    monkeypatch.setattr(st, "_CHUNK_CHARS", chunk)
+    for parser in ("auto", "json"):
+        summary = st.summarize(path, parser=parser)
+        check(summary["sections"], EXPECTED_KERNELS)
+        check(summary["sections"], EXPECTED_CPU)
+        assert summary["events"] == len(make_trace()["traceEvents"])
+
+
+@pytest.mark.parametrize("chunk", [16, 1 << 20])
+def test_text_that_only_looks_like_kinetos_layout_is_read_in_full(tmp_path, monkeypatch, chunk):
+    # a nested object on a line of its own at the events' indentation, holding a marker: skimming would decode the
+    # nested object as if it were an event, so it must notice and start again with the full parser
+    trace = make_trace()
+    text = kineto_text(trace).replace(
+        '    "name": "aten::mm"',
+        '    "odd":\n  {\n    "x": "kernel"\n  },\n    "name": "aten::mm"',
+        1,
+    )
+    path = tmp_path / "trace.json"
+    path.write_text(text)
+    monkeypatch.setattr(st, "_CHUNK_CHARS", chunk)
+    summary = st.summarize(path)
+    assert summary["parser"] == "json"
+    check(summary["sections"], EXPECTED_KERNELS)
+
+
+def test_json_gz_and_zip_inputs_give_identical_results(tmp_path):
+    text = kineto_text(make_trace())
+    plain = tmp_path / "trace.json"
+    plain.write_text(text)
+    with gzip.open(tmp_path / "trace.json.gz", "wt") as f:
+        f.write(text)
+    with zipfile.ZipFile(tmp_path / "trace.json.zip", "w", zipfile.ZIP_DEFLATED) as z:
+        z.writestr("rank0.pt.trace.json", text)
+    results = [st.summarize(tmp_path / name) for name in ("trace.json", "trace.json.gz", "trace.json.zip")]
+    assert results[0]["sections"] == results[1]["sections"] == results[2]["sections"]
+    check(results[2]["sections"], EXPECTED_KERNELS)
+
+
+def test_zip_without_exactly_one_json_member_names_its_members(tmp_path):
+    path = tmp_path / "traces.json.zip"
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("rank0.json", "[]")
+        z.writestr("rank1.json", "[]")
+        z.writestr("notes.txt", "")
+    with pytest.raises(st.TraceError, match=r"exactly one \.json.*rank0\.json.*rank1\.json.*notes\.txt"):
+        st.summarize(path)
+
+
+@pytest.mark.parametrize("suffix", [".json", ".json.gz"])
+def test_cli_leaves_the_input_file_unchanged(tmp_path, suffix):
+    text = kineto_text(make_trace()).encode()
+    path = tmp_path / f"trace{suffix}"
+    path.write_bytes(gzip.compress(text) if suffix.endswith(".gz") else text)
+    before = path.read_bytes()
+    past = time.time() - 3600
+    os.utime(path, (past, past))
+    mtime = path.stat().st_mtime_ns
+    result = run_cli(path)
+    assert result.returncode == 0, result.stderr
+    assert path.read_bytes() == before
+    assert path.stat().st_mtime_ns == mtime
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("", "empty file"),
+        ("   \n", "empty file"),
+        (None, "truncated"),  # a kineto trace cut in the middle of an event
+        ('{"traceEvents": [{"ph": "X", "name": "__sec:step", "ts": 1, "dur": 2}', "truncated"),
+        ('{"schemaVersion": 1}', "not a chrome trace"),
+        ('"just a string"', "not a chrome trace"),
+        ('{"traceEvents": [{"ph": "X", "name": "aten::mm", "ts": 1, "dur": 2}]}', "no '__sec:' ranges"),
+        ('{"traceEvents": []}', "no trace events"),
+        ('{"traceEvents": [{"ph": "X"} {"ph": "X"}]}', "malformed"),
+    ],
+    ids=[
+        "empty",
+        "blank",
+        "truncated-kineto",
+        "truncated",
+        "no-events-key",
+        "string",
+        "no-sections",
+        "no-events",
+        "malformed",
+    ],
+)
+def test_bad_input_exits_non_zero_with_a_message_naming_the_file(tmp_path, content, message):
+    if content is None:
+        full = kineto_text(make_trace())
+        content = full[: len(full) // 2]
+    path = tmp_path / "bad trace.json"
+    path.write_text(content)
+    result = run_cli(path)
+    assert result.returncode != 0
+    assert str(path) in result.stderr
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+    assert result.stdout == ""
+
+
+def test_missing_file_and_gzip_garbage_are_clear_errors(tmp_path):
+    result = run_cli(tmp_path / "nowhere.json")
+    assert result.returncode != 0 and "nowhere.json" in result.stderr and "Traceback" not in result.stderr
+    garbage = tmp_path / "trace.json.gz"
+    garbage.write_bytes(gzip.compress(b'{"traceEvents": [')[:-8] + b"\x00" * 8)
+    with pytest.raises(st.TraceError, match=r"trace\.json\.gz"):
+        st.summarize(garbage)
+
+
+def test_json_format_has_the_documented_shape(tmp_path):
+    result = run_cli(write(tmp_path / "trace.json", make_trace()), "--format", "json")
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert list(out["sections"]) == ["step", "loader_first", "loader_next", "forward", "backward", "optimizer"]
+    for stats in out["sections"].values():
+        assert set(stats) == {"count", "min_s", "mean_s", "median_s", "max_s"}
+        assert isinstance(stats["count"], int)
+    check(out["sections"], EXPECTED_KERNELS)
+
+
+def test_text_table_lists_sections_in_pipeline_order_then_others(tmp_path):
+    trace = make_trace()
+    trace["traceEvents"] += [section("aaa_custom", 0, 1), section("validation", 0, 2_000_000)]
+    result = run_cli(write(tmp_path / "trace.json", trace))
+    assert result.returncode == 0, result.stderr
+    rows = [line.split()[0] for line in result.stdout.splitlines()[3:11]]
+    assert rows == [
+        "step",
+        "loader_first",
+        "loader_next",
+        "forward",
+        "backward",
+        "optimizer",
+        "aaa_custom",
+        "validation",
+    ]
+    assert "2.000000" in result.stdout  # the 2 s validation range, in seconds
+
+
+def test_module_is_standalone_no_torch_no_bundle_imports(tmp_path):
+    # load the file on its own in a fresh interpreter and look at what it pulled in
+    code = (
+        "import importlib.util, sys\n"
+        f"spec = importlib.util.spec_from_file_location('summarize_trace', {str(MODULE)!r})\n"
+        "mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy', 'monai', 'scripts'))\n"
+        "print(bad)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
+    # every import statement names a standard-library module (fire and ijson are imported only where optional)
+    import ast
+
+    allowed_optional = {"fire", "ijson", "argparse"}
+    for node in ast.walk(ast.parse(MODULE.read_text())):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            assert node.level == 0, "relative import"
+            names = [node.module]
+        for name in names:
+            top = name.split(".")[0]
+            assert top in sys.stdlib_module_names or top in allowed_optional or top == "__future__", name
+
+
+def test_copied_file_runs_alone_without_fire_or_ijson(tmp_path):
+    copy = tmp_path / "summarize_trace.py"
+    copy.write_bytes(MODULE.read_bytes())
+    trace = write(tmp_path / "trace.json", make_trace())
+    code = (
+        "import runpy, sys\n"
+        "sys.modules['fire'] = None; sys.modules['ijson'] = None\n"  # as if neither were installed
+        f"sys.argv = ['summarize_trace.py', {str(trace)!r}, '--format', 'json']\n"
+        f"runpy.run_path({str(copy)!r}, run_name='__main__')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    check(json.loads(result.stdout)["sections"], EXPECTED_KERNELS)
