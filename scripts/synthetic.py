@@ -45,6 +45,7 @@ def write_case(
     gtv_name: str = "GTV-1",
     empty_gtv: bool = False,
     collection: str = "NSCLC-Radiomics",
+    tumour_hu: float = HU["tumour"],
 ) -> dict:
     """Write one case and return its truth (also saved as JSON). ``shape`` is (columns, rows, slices)."""
     nx, ny, nz = (int(v) for v in shape)
@@ -80,7 +81,7 @@ def write_case(
     # tumour: a main ellipsoid and an offset lobe inside one lung; LPS +x is the patient's left
     side = "left" if rng.random() < 0.5 else "right"
     lung_c = np.array(lung_centres["Lung-Left" if side == "left" else "Lung-Right"])
-    radii = rng.uniform([8, 7, 7], [min(16, 0.06 * width_x + 6), min(14, 0.06 * width_y + 5), 18])
+    radii = rng.uniform([10, 9, 10], [min(18, 0.08 * width_x + 8), min(16, 0.08 * width_y + 7), 24])
     centre = lung_c + rng.uniform(-0.3, 0.3, 3) * (np.array(lung_r) - radii - 2)
     lobe_r = radii * rng.uniform(0.45, 0.6, 3)
     direction = np.array([rng.choice([-1, 1]) * 0.8, 0.6, rng.choice([-1, 1]) * 0.7])
@@ -105,7 +106,7 @@ def write_case(
     hu[masks["Esophagus"]] = HU["esophagus"]
     hu[masks["Spinal-Cord"]] = HU["bone"]
     if not empty_gtv:
-        hu[tumour] = HU["tumour"]
+        hu[tumour] = tumour_hu
     hu += rng.normal(0, 20, hu.shape)
     stored = np.clip(np.rint(hu - INTERCEPT), 0, 4095).astype(np.uint16)
 
@@ -180,7 +181,7 @@ def write_case(
         "pixel_spacing": [row_spacing, col_spacing],
         "slice_spacing": float(slice_spacing),
         "origin_lps": [float(v) for v in origin],
-        "hu": {"air": HU["air"], "body": HU["body"], "lung": HU["lung"], "tumour": HU["tumour"]},
+        "hu": {"air": HU["air"], "body": HU["body"], "lung": HU["lung"], "tumour": float(tumour_hu)},
         "tumour": {
             "ellipsoids": ellipsoids,
             "side": side,
@@ -208,8 +209,13 @@ def generate(
     shape: Sequence[int] = (128, 128, 40),
     seed: int = 0,
     collection: str = "NSCLC-Radiomics",
+    tumour_hu: float = HU["tumour"],
 ) -> list[dict]:
-    """Write ``num_cases`` cases LUNG1-001, ...; case i uses ``seed + i``; cases already written are kept."""
+    """Write ``num_cases`` cases LUNG1-001, ...; case i uses ``seed + i``; cases already written are kept.
+
+    ``tumour_hu`` defaults to a realistic soft-tissue value (the tumour is as bright as the body wall and stands out
+    only against the lung); the demo raises it so that a tiny network learns the tumour in minutes on a CPU.
+    """
     truths = []
     for i in tqdm(range(int(num_cases)), desc="synthetic cases", unit="case"):
         pid = f"LUNG1-{i + 1:03d}"
@@ -217,7 +223,9 @@ def generate(
         if truth_file.is_file():
             truths.append(json.loads(truth_file.read_text()))
         else:
-            truths.append(write_case(output_dir, pid, seed=int(seed) + i, shape=shape, collection=collection))
+            truths.append(
+                write_case(output_dir, pid, seed=int(seed) + i, shape=shape, collection=collection, tumour_hu=tumour_hu)
+            )
     return truths
 
 
