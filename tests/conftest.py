@@ -48,18 +48,12 @@ def bundle_run(root: Path, *args: str, timeout: int = 900) -> subprocess.Complet
     return result
 
 
-def demo_args(tmp: Path, **overrides) -> list[str]:
-    """The demo config, pointed at a temporary folder and shrunk to a few steps."""
-    settings = {
-        "dataset_dir": str(tmp / "data"),
-        "prepared_dir": str(tmp / "prepared"),
-        "output_dir": str(tmp / "run"),
-        "demo_cases": 5,
-        "demo_shape": "[96,96,32]",
-        "num_samples": 1,
-        "val_interval": 1,
-        **overrides,
-    }
+def demo_args(tmp: Path, shrink: bool = True, **overrides) -> list[str]:
+    """The demo config pointed at a temporary folder; ``shrink``: a few small steps (for tests of mechanics)."""
+    settings = {"dataset_dir": str(tmp / "data"), "prepared_dir": str(tmp / "prepared"), "output_dir": str(tmp / "run")}
+    if shrink:
+        settings.update(demo_cases=5, demo_shape="[96,96,32]", num_samples=1, val_interval=1)
+    settings.update(overrides)
     args = ["--config_file", DEMO]
     for key, value in settings.items():
         args += [f"--{key}", str(value)]
@@ -68,10 +62,10 @@ def demo_args(tmp: Path, **overrides) -> list[str]:
 
 @pytest.fixture(scope="session")
 def demo_run(tmp_path_factory, root):
-    """The demo, shortened: 5 synthetic cases, 8 epochs of 3 steps."""
+    """The demo exactly as a user runs it (10 cases, 10 epochs), only its folders moved to a temporary place."""
     tmp = tmp_path_factory.mktemp("demo")
     model_zoo_weights = root / "models" / "model.pt"
     before = model_zoo_weights.stat().st_mtime_ns if model_zoo_weights.exists() else None
-    result = bundle_run(root, *demo_args(tmp, max_epochs=8, val_interval=2))
+    result = bundle_run(root, *demo_args(tmp, shrink=False))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return tmp, result, before

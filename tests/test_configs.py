@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -23,7 +26,7 @@ def trained_epochs(output: str) -> list[int]:
 
 def test_demo_learns_the_synthetic_tumour(demo_run):
     _, result, _ = demo_run
-    assert best_dice(result.stdout) > 0.5
+    assert best_dice(result.stdout) > 0.7  # the demo's target; measured 0.84 here
 
 
 def test_demo_writes_only_under_its_run_folder(demo_run, root):
@@ -31,11 +34,11 @@ def test_demo_writes_only_under_its_run_folder(demo_run, root):
     assert (tmp / "run" / "model.pt").is_file()
     assert list((tmp / "run").glob("events.out.tfevents.*")), "TensorBoard logs"
     state = torch.load(tmp / "run" / "checkpoints" / "latest.pt", weights_only=True)
-    assert state["trainer"]["epoch"] == 8
+    assert state["trainer"]["epoch"] == 10
     weights = root / "models" / "model.pt"
     assert (weights.stat().st_mtime_ns if weights.exists() else None) == before, "models/model.pt was touched"
     report = json.loads((tmp / "prepared" / "prepare_report.json").read_text())
-    assert report["num_rejected"] == 0 and report["num_cases"] == 5
+    assert report["num_rejected"] == 0 and report["num_cases"] == 10
 
 
 def test_resume_continues_the_epoch_count_and_matches_an_uninterrupted_run(tmp_path, root, demo_run):
@@ -44,9 +47,17 @@ def test_resume_continues_the_epoch_count_and_matches_an_uninterrupted_run(tmp_p
     # uninterrupted: 2 epochs
     straight = bundle_run(root, *demo_args(tmp_path / "a", max_epochs=2, **shared))
     assert straight.returncode == 0, straight.stderr[-3000:]
-    # interrupted after epoch 1 (spelled as model-zoo READMEs do: `run training`), then resumed to 2 epochs
-    first = bundle_run(root, "training", *demo_args(tmp_path / "b", max_epochs=1, **shared))
-    assert first.returncode == 0, first.stderr[-3000:]
+    # the same run killed during epoch 2 (started as model-zoo READMEs spell it: `run training`), then resumed
+    latest = tmp_path / "b" / "run" / "checkpoints" / "latest.pt"
+    args = demo_args(tmp_path / "b", max_epochs=2, **shared)
+    command = [sys.executable, "-m", "monai.bundle", "run", "training", *args]
+    crashed = subprocess.Popen(command, cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 600
+    while not latest.exists() and crashed.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    crashed.kill()
+    crashed.wait()
+    assert torch.load(latest, weights_only=True)["trainer"]["epoch"] == 1, "killed after epoch 1 was saved"
     second = bundle_run(root, *demo_args(tmp_path / "b", max_epochs=2, resume="true", **shared))
     assert second.returncode == 0, second.stderr[-3000:]
     log = second.stdout + second.stderr
