@@ -138,7 +138,7 @@ def write_case(
 
     # SEG
     seg_masks, descriptions = [], []
-    for number, name in enumerate([n for n in names], start=1):
+    for number, name in enumerate(names, start=1):
         key = "GTV-1" if name == gtv_name else name
         if key not in masks:
             raise ValueError(f"segment {name!r}: unknown; choose from {list(SEGMENT_NAMES)}.")
