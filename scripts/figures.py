@@ -1,0 +1,135 @@
+"""Pictures of a segmentation: the axial CT slice through the structure, truth contour green, prediction red.
+
+:func:`render_case` draws two panels -- the whole slice and a zoom on the structure -- in the radiological
+convention (patient's right on the left of the image, anterior at the top), whatever the volume's orientation.
+:class:`ValidationPicture` logs the same picture of the first validation case to TensorBoard at every validation,
+so training can be watched as well as scored.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+from collections.abc import Sequence
+
+import nibabel as nib
+import numpy as np
+from ignite.engine import Engine, Events
+from scipy import ndimage
+
+logger = logging.getLogger(__name__)
+
+TRUTH_RGB = (40, 220, 40)
+PRED_RGB = (255, 60, 60)
+BOTH_RGB = (255, 230, 40)
+
+
+def to_lps(volume: np.ndarray, affine: np.ndarray) -> np.ndarray:
+    """``volume`` [X, Y, Z] with voxel axes reordered/flipped to point L, P, S (axial slices are ``[:, :, k]``)."""
+    transform = nib.orientations.ornt_transform(
+        nib.orientations.io_orientation(affine), nib.orientations.axcodes2ornt(("L", "P", "S"))
+    )
+    return nib.orientations.apply_orientation(volume, transform)
+
+
+def render_case(
+    ct: np.ndarray | None,
+    truth: np.ndarray,
+    pred: np.ndarray,
+    affine: np.ndarray,
+    window: Sequence[float] = (-1000, 500),
+    title: str = "",
+) -> np.ndarray:
+    """An RGB ``uint8`` picture of the axial slice with the most truth (else prediction) voxels.
+
+    ``ct`` (HU, or any intensity shown through ``window``) may be None: the masks are then drawn on black.
+    """
+    truth, pred = to_lps(np.asarray(truth) > 0, affine), to_lps(np.asarray(pred) > 0, affine)
+    ct = np.zeros(truth.shape, np.float32) if ct is None else to_lps(np.asarray(ct, dtype=np.float32), affine)
+    area = truth.sum((0, 1)) if truth.any() else pred.sum((0, 1))
+    k = int(area.argmax()) if area.any() else truth.shape[2] // 2
+
+    low, high = float(window[0]), float(window[1])
+    gray = (np.clip((ct[:, :, k].T - low) / max(high - low, 1e-6), 0, 1) * 255).astype(np.uint8)
+    rgb = np.repeat(gray[..., None], 3, axis=-1)
+    t_edge, p_edge = _edge(truth[:, :, k].T), _edge(pred[:, :, k].T)
+    rgb[t_edge] = TRUTH_RGB
+    rgb[p_edge] = PRED_RGB
+    rgb[t_edge & p_edge] = BOTH_RGB
+
+    union = truth[:, :, k].T | pred[:, :, k].T
+    zoom = rgb
+    if union.any():
+        rows, cols = np.nonzero(union)
+        margin = 12
+        r0, r1 = max(rows.min() - margin, 0), min(rows.max() + margin + 1, rgb.shape[0])
+        c0, c1 = max(cols.min() - margin, 0), min(cols.max() + margin + 1, rgb.shape[1])
+        crop = rgb[r0:r1, c0:c1]
+        factor = max(1, min(rgb.shape[0] // crop.shape[0], rgb.shape[1] // crop.shape[1]))
+        zoom = crop.repeat(factor, 0).repeat(factor, 1)
+    height = max(rgb.shape[0], zoom.shape[0])
+    panels = [np.pad(p, ((0, height - p.shape[0]), (0, 4), (0, 0))) for p in (rgb, zoom)]
+    picture = np.concatenate(panels, axis=1)
+    return _caption(picture, f"{title}  axial slice {k}  truth: green  prediction: red  both: yellow")
+
+
+def png_bytes(rgb: np.ndarray) -> bytes:
+    """PNG encoding of an RGB ``uint8`` array."""
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.fromarray(rgb).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def _edge(mask: np.ndarray) -> np.ndarray:
+    return mask & ~ndimage.binary_erosion(mask) if mask.any() else mask
+
+
+def _caption(picture: np.ndarray, text: str) -> np.ndarray:
+    from PIL import Image, ImageDraw
+
+    bar = np.zeros((16, picture.shape[1], 3), np.uint8)
+    image = Image.fromarray(np.concatenate([bar, picture], axis=0))
+    ImageDraw.Draw(image).text((2, 2), text, fill=(255, 255, 255))
+    return np.asarray(image)
+
+
+class ValidationPicture:
+    """Evaluator handler: the first validation case's picture to TensorBoard (tag ``validation/<case>``).
+
+    Works on the evaluator's post-processed output in the training grid: ``image`` scaled to [0, 1] (so the window
+    is (0, 1)), ``label`` and ``pred`` one-hot.
+    """
+
+    def __init__(self, log_dir: str, image_key: str = "image", label_key: str = "label", enabled: bool = True):
+        self.log_dir, self.image_key, self.label_key, self.enabled = log_dir, image_key, label_key, enabled
+        self._writer = None
+
+    def attach(self, engine: Engine) -> None:
+        engine.add_event_handler(Events.ITERATION_COMPLETED(once=1), self)
+
+    def __call__(self, engine: Engine) -> None:
+        if not self.enabled:
+            return
+        output = engine.state.output
+        item = output[0] if isinstance(output, list) else output
+        image, label, pred = (item[k] for k in (self.image_key, self.label_key, "pred"))
+        affine = np.asarray(image.affine, dtype=float)
+        rgb = render_case(
+            _volume(image), _volume(label, argmax=True), _volume(pred, argmax=True), affine, (0.0, 1.0), "validation"
+        )
+        if self._writer is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._writer = SummaryWriter(log_dir=self.log_dir)
+        case_id = item.get("case_id", "case")
+        self._writer.add_image(f"validation/{case_id}", rgb, global_step=engine.state.epoch, dataformats="HWC")
+        self._writer.flush()
+
+
+def _volume(tensor, argmax: bool = False) -> np.ndarray:
+    array = np.asarray(tensor.detach().cpu())
+    if argmax and array.shape[0] > 1:
+        return array.argmax(0)
+    return array[0]
