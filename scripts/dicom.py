@@ -30,6 +30,7 @@ import highdicom as hd
 import numpy as np
 import pydicom
 from pydicom.errors import InvalidDicomError
+from pydicom.sr.codedict import codes
 
 logger = logging.getLogger(__name__)
 
@@ -93,11 +94,11 @@ def normalize_name(name: str) -> str:
     return re.sub(r"[^0-9a-z*?]", "", name.lower())
 
 
-def read_ct_series(image_dir: str | Path) -> CtSeries:
-    """Read every DICOM file in ``image_dir`` as one CT series, sorted by position along the slice normal.
+def scan_ct_series(image_dir: str | Path) -> tuple[list[tuple[Path, pydicom.Dataset]], np.ndarray]:
+    """The headers of a CT series folder sorted along the slice normal, and its LPS affine -- no pixel data read.
 
     Checks that the folder holds exactly one series, one orientation, one in-plane geometry and evenly spaced
-    slices (a gap means a missing slice); converts stored values to HU with each slice's rescale slope/intercept.
+    slices (a gap means a missing slice), so a bad series is rejected before any pixel is decoded.
     """
     image_dir = Path(image_dir)
     files = sorted(p for p in image_dir.iterdir() if p.is_file() and not p.name.startswith("."))
@@ -157,6 +158,17 @@ def read_ct_series(image_dir: str | Path) -> CtSeries:
     affine[:3, 2] = normal * step
     affine[:3, 3] = np.asarray(headers[0][1].ImagePositionPatient, dtype=float)
 
+    return headers, affine
+
+
+def read_ct_series(image_dir: str | Path) -> CtSeries:
+    """Read every DICOM file in ``image_dir`` as one CT series, sorted by position along the slice normal.
+
+    The checks of :func:`scan_ct_series`, then stored values converted to HU with each slice's rescale
+    slope/intercept.
+    """
+    headers, affine = scan_ct_series(image_dir)
+    ds0 = headers[0][1]
     hu = np.empty((int(ds0.Columns), int(ds0.Rows), len(headers)), dtype=np.int16)
     for k, (path, _) in enumerate(headers):
         try:
@@ -249,6 +261,33 @@ def read_case(image_dir: str | Path, seg_file: str | Path, labels: Sequence[str]
         labels=list(labels),
         segments=names,
         info={"spacing": ct.spacing, "shape": list(ct.hu.shape), "series_uid": ct.series_uid},
+    )
+
+
+def segment_description(
+    number: int, label: str, algorithm: hd.AlgorithmIdentificationSequence | None = None
+) -> hd.seg.SegmentDescription:
+    """A SEG segment named ``label`` and coded in SNOMED CT, so viewers show what it is, not only its name.
+
+    GTVs are "Morphologically abnormal structure / Neoplasm"; the organs of NSCLC-Radiomics get their organ codes;
+    anything else is "Tissue". With ``algorithm`` the segment is marked AUTOMATIC (a model's output), else MANUAL.
+    """
+    key = normalize_name(label)
+    organs = {"lungleft": codes.SCT.Lung, "lungright": codes.SCT.Lung, "heart": codes.SCT.Heart,
+              "esophagus": codes.SCT.Esophagus, "spinalcord": codes.SCT.SpinalCord}  # fmt: skip
+    if key.startswith("gtv"):
+        category, kind = codes.SCT.MorphologicallyAbnormalStructure, codes.SCT.Neoplasm
+    elif key in organs:
+        category, kind = codes.SCT.Organ, organs[key]
+    else:
+        category, kind = codes.SCT.Tissue, codes.SCT.Tissue
+    return hd.seg.SegmentDescription(
+        segment_number=number,
+        segment_label=label,
+        segmented_property_category=category,
+        segmented_property_type=kind,
+        algorithm_type="AUTOMATIC" if algorithm else "MANUAL",
+        algorithm_identification=algorithm,
     )
 
 

@@ -22,6 +22,7 @@ logger = logging.getLogger(__name__)
 TRUTH_RGB = (40, 220, 40)
 PRED_RGB = (255, 60, 60)
 BOTH_RGB = (255, 230, 40)
+MIN_PANEL = 256  # pixels: smaller slices are enlarged (nearest neighbour)
 
 
 def to_lps(volume: np.ndarray, affine: np.ndarray) -> np.ndarray:
@@ -65,12 +66,16 @@ def render_case(
         r0, r1 = max(rows.min() - margin, 0), min(rows.max() + margin + 1, rgb.shape[0])
         c0, c1 = max(cols.min() - margin, 0), min(cols.max() + margin + 1, rgb.shape[1])
         crop = rgb[r0:r1, c0:c1]
-        factor = max(1, min(rgb.shape[0] // crop.shape[0], rgb.shape[1] // crop.shape[1]))
-        zoom = crop.repeat(factor, 0).repeat(factor, 1)
+        zoom = crop
+    small = max(1, -(-MIN_PANEL // rgb.shape[0]))  # small volumes (the demo's) are enlarged to stay readable
+    rgb = rgb.repeat(small, 0).repeat(small, 1)
+    if zoom.shape[0] < rgb.shape[0]:
+        factor = max(1, rgb.shape[0] // zoom.shape[0])
+        zoom = zoom.repeat(factor, 0).repeat(factor, 1)
     height = max(rgb.shape[0], zoom.shape[0])
     panels = [np.pad(p, ((0, height - p.shape[0]), (0, 4), (0, 0))) for p in (rgb, zoom)]
     picture = np.concatenate(panels, axis=1)
-    return _caption(picture, f"{title}  axial slice {k}  truth: green  prediction: red  both: yellow")
+    return _caption(picture, [f"{title}  axial slice {k}", "truth: green  prediction: red  both: yellow"])
 
 
 def png_bytes(rgb: np.ndarray) -> bytes:
@@ -86,12 +91,14 @@ def _edge(mask: np.ndarray) -> np.ndarray:
     return mask & ~ndimage.binary_erosion(mask) if mask.any() else mask
 
 
-def _caption(picture: np.ndarray, text: str) -> np.ndarray:
+def _caption(picture: np.ndarray, lines: Sequence[str]) -> np.ndarray:
     from PIL import Image, ImageDraw
 
-    bar = np.zeros((16, picture.shape[1], 3), np.uint8)
+    bar = np.zeros((14 * len(lines) + 4, picture.shape[1], 3), np.uint8)
     image = Image.fromarray(np.concatenate([bar, picture], axis=0))
-    ImageDraw.Draw(image).text((2, 2), text, fill=(255, 255, 255))
+    draw = ImageDraw.Draw(image)
+    for i, line in enumerate(lines):
+        draw.text((4, 2 + 14 * i), line, fill=(255, 255, 255))
     return np.asarray(image)
 
 
@@ -112,8 +119,9 @@ class ValidationPicture:
     def __call__(self, engine: Engine) -> None:
         if not self.enabled:
             return
-        output = engine.state.output
-        item = output[0] if isinstance(output, list) else output
+        from scripts.metrics import merged_items
+
+        item = merged_items(engine)[0]
         image, label, pred = (item[k] for k in (self.image_key, self.label_key, "pred"))
         affine = np.asarray(image.affine, dtype=float)
         rgb = render_case(

@@ -97,8 +97,8 @@ def summarize(rows: Sequence[dict], columns: Sequence[str]) -> dict[str, dict]:
 class CaseMetrics:
     """Evaluator handler: per-case metrics (and pictures) in each case's original voxel space.
 
-    Expects the evaluator's post-processed output to hold, per case, ``pred`` and ``truth`` as one-hot or label-map
-    tensors on the original image grid (MetaTensors: the truth's affine gives the spacing) and ``case_id``.
+    Expects the evaluator's post-processed batch/output to hold, per case, ``pred`` and ``truth`` as one-hot or
+    label-map tensors on the original image grid (MetaTensors: the truth's affine gives the spacing) and ``case_id``.
     Writes ``<output_dir>/metrics.csv``, ``<output_dir>/metrics_summary.json`` and, with ``pictures`` > 0, a PNG of
     the ``pictures`` cases with the lowest mean Dice to ``<output_dir>/pictures/`` (``pictures=-1``: every case).
     """
@@ -133,9 +133,7 @@ class CaseMetrics:
         self.rows, self._png = [], {}
 
     def _collect(self, engine: Engine) -> None:
-        output = engine.state.output
-        items = output if isinstance(output, list) else [output]
-        for item in items:
+        for item in merged_items(engine):
             pred, truth = _label_map(item[self.pred_key]), _label_map(item[self.truth_key])
             spacing = spacing_of(item[self.truth_key].affine)
             case_id = _case_id(item)
@@ -177,7 +175,19 @@ class CaseMetrics:
             path.write_bytes(self._png[case_id])
         means = {c: s.get("mean") for c, s in summary["metrics"].items() if c.endswith(("_dice", "_hd95_mm"))}
         logger.info("%d cases: %s -> %s", len(self.rows), means, self.output_dir / "metrics.csv")
-        print(f"evaluated {len(self.rows)} cases: " + ", ".join(f"mean {k} {v:.4f}" for k, v in means.items() if v))
+        shown = ", ".join(f"mean {k} {v:.4f}" for k, v in means.items() if v is not None)
+        print(f"evaluated {len(self.rows)} cases: {shown}; per case: {self.output_dir / 'metrics.csv'}")
+
+
+def merged_items(engine: Engine) -> list[dict]:
+    """Per case, the evaluator's batch and output dicts in one (MONAI keeps ``case_id`` and other inputs in the batch,
+    the network's ``image``/``pred`` and keys made by post-processing in the output)."""
+    batch, output = engine.state.batch, engine.state.output
+    if not isinstance(output, list):
+        batch, output = [batch], [output]
+    if not isinstance(batch, list) or len(batch) != len(output):
+        return [dict(o) for o in output]
+    return [{**b, **o} for b, o in zip(batch, output, strict=True)]
 
 
 def _label_map(tensor) -> np.ndarray:

@@ -20,9 +20,10 @@ from pathlib import Path
 import highdicom as hd
 import numpy as np
 from pydicom.dataset import Dataset, FileMetaDataset
-from pydicom.sr.codedict import codes
 from pydicom.uid import CTImageStorage, ExplicitVRLittleEndian, generate_uid
 from tqdm import tqdm
+
+from scripts.dicom import segment_description
 
 logger = logging.getLogger(__name__)
 
@@ -143,7 +144,7 @@ def write_case(
         if key not in masks:
             raise ValueError(f"segment {name!r}: unknown; choose from {list(SEGMENT_NAMES)}.")
         seg_masks.append(masks[key])
-        descriptions.append(_segment_description(number, name, key))
+        descriptions.append(segment_description(number, name))
     written = []
     if descriptions:
         pixel = np.stack([np.stack(seg_masks, -1)[:, :, k].transpose(1, 0, 2) for k in range(nz)]).astype(np.uint8)
@@ -271,22 +272,6 @@ def _ct_slice(pixels, patient_id, study_uid, series_uid, for_uid, sop_uid, serie
     ds.KVP = 120
     ds.PixelData = np.ascontiguousarray(pixels, dtype=np.uint16).tobytes()
     return ds
-
-
-def _segment_description(number: int, label: str, key: str) -> hd.seg.SegmentDescription:
-    if key == "GTV-1":
-        category, kind = codes.SCT.MorphologicallyAbnormalStructure, codes.SCT.Neoplasm
-    else:
-        category = codes.SCT.Organ
-        kind = {"Lung-Left": codes.SCT.Lung, "Lung-Right": codes.SCT.Lung, "Heart": codes.SCT.Heart,
-                "Esophagus": codes.SCT.Esophagus, "Spinal-Cord": codes.SCT.SpinalCord}[key]  # fmt: skip
-    return hd.seg.SegmentDescription(
-        segment_number=number,
-        segment_label=label,
-        segmented_property_category=category,
-        segmented_property_type=kind,
-        algorithm_type=hd.seg.SegmentAlgorithmTypeValues.MANUAL,
-    )
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ R_MM, OFFSET_MM = 15.0, 8.0
 def sphere(spacing, centre_mm, radius_mm=R_MM, extent_mm=80.0) -> np.ndarray:
     axes = [np.arange(int(extent_mm / s)) * s for s in spacing]
     grid = np.meshgrid(*axes, indexing="ij")
-    return sum((g - c) ** 2 for g, c in zip(grid, centre_mm)) <= radius_mm**2
+    return sum((g - c) ** 2 for g, c in zip(grid, centre_mm, strict=True)) <= radius_mm**2
 
 
 def reference(pred: np.ndarray, truth: np.ndarray, spacing, tolerance_mm: float) -> tuple[float, float]:
@@ -91,7 +91,7 @@ def test_spacing_comes_from_the_affine_columns():
 
 def test_handler_writes_one_row_per_case_and_a_summary(tmp_path):
     class State:
-        output = None
+        batch = output = None
 
     class FakeEngine:
         state = State()
@@ -103,7 +103,8 @@ def test_handler_writes_one_row_per_case_and_a_summary(tmp_path):
     for case_id, offset in (("A", 0.0), ("B", OFFSET_MM)):
         pred = sphere(spacing, (40 + offset, 40, 40)).astype(np.float32)
         onehot = lambda m: MetaTensor(torch.from_numpy(np.stack([1 - m, m])), affine=affine)  # noqa: E731
-        FakeEngine.state.output = [{"pred": onehot(pred), "truth": onehot(truth), "case_id": case_id}]
+        FakeEngine.state.batch = [{"case_id": case_id}]  # MONAI keeps the inputs' keys in the batch
+        FakeEngine.state.output = [{"pred": onehot(pred), "truth": onehot(truth)}]
         handler._collect(FakeEngine)
     handler.write()
     rows = list(csv.DictReader((tmp_path / "metrics.csv").open()))
