@@ -209,7 +209,7 @@ class SaveCased(MapTransform):
             outputs = {"nifti": str(nifti_path)}
             if self.write_seg and d.get("source") == "dicom":
                 seg_path = folder / f"{case_id}_seg.dcm"
-                write_dicom_seg(labels, d["image_path"], self.labels, seg_path, self.algorithm)
+                write_dicom_seg(labels, d["source_path"], self.labels, seg_path, self.algorithm)
                 outputs["dicom_seg"] = str(seg_path)
             voxel_ml = float(np.prod(np.linalg.norm(affine[:3, :3], axis=0))) / 1000.0
             volumes = {n: round(float((labels == i).sum()) * voxel_ml, 3) for i, n in enumerate(self.labels, start=1)}
@@ -359,7 +359,7 @@ def _name_cases(cases: list[dict], root: Path) -> None:
     seen: dict[str, int] = {}
     for case in cases:
         path = Path(case["image"])
-        case["image_path"] = case["image"]
+        case["source_path"] = case["image"]  # kept as a string (not "image_..."; MONAI treats those as meta dicts)
         if case["source"] == "nifti":
             name = path.name.removesuffix(".gz").removesuffix(".nii").removesuffix(".NII")
         elif path.name.lower() == "image" and path.parent != root and path.parent.parent != root.parent:
