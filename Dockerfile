@@ -1,19 +1,17 @@
 # NSCLC-Radiomics SwinUNETR bundle. ROCm (AMD Instinct) by default; for NVIDIA:
 #   docker build --build-arg BASE_IMAGE=pytorch/pytorch:2.6.0-cuda12.4-cudnn9-runtime -t nsclc-swinunetr:cuda .
 #   docker build -t nsclc-swinunetr:rocm .
-# Run on one AMD GPU (pick it by its render node; see README "Which GPU"):
+# Run on one AMD GPU (pick it by its render node; see README "Docker"), or use docker-compose.yml:
 #   docker run --rm -it --device=/dev/kfd --device=/dev/dri/renderD128 --group-add video \
-#     --ipc=host -v /data/tcia:/data/tcia nsclc-swinunetr:rocm
+#     --ipc=host -v /data/tcia:/data/tcia -v $PWD/runs:/workspace/bundle/runs nsclc-swinunetr:rocm
 ARG BASE_IMAGE=rocm/pytorch:rocm6.4.1_ubuntu24.04_py3.12_pytorch_release_2.6.0
 FROM ${BASE_IMAGE}
 
-# MIOpen: search for the fastest kernels once (FIND_MODE 1 = normal find, ENFORCE 3 = search and update the DB)
-# and keep its user DB in a volume-friendly place so tuning is paid once, not every container start.
-ENV MIOPEN_FIND_MODE=1 \
-    MIOPEN_FIND_ENFORCE=3 \
-    MIOPEN_USER_DB_PATH=/workspace/bundle/runs/miopen \
-    MIOPEN_CUSTOM_CACHE_DIR=/workspace/bundle/runs/miopen \
-    PIP_BREAK_SYSTEM_PACKAGES=1 \
+# MIOpen/TunableOp settings are NOT baked in here: scripts/accelerator.py sets them from the config
+# (miopen_find_mode 1, miopen_find_enforce 3, a persistent MIOpen DB under <output_dir>/miopen -- mount runs/ as a
+# volume and tuning is paid once). A value exported with `docker run -e MIOPEN_...` still wins, and
+# <output_dir>/device_report.json records which values were in force.
+ENV PIP_BREAK_SYSTEM_PACKAGES=1 \
     PYTHONUNBUFFERED=1
 
 WORKDIR /workspace/bundle

@@ -123,7 +123,8 @@ class ValidationPicture:
 
         item = merged_items(engine)[0]
         image, label, pred = (item[k] for k in (self.image_key, self.label_key, "pred"))
-        affine = np.asarray(image.affine, dtype=float)
+        # the training grid is RAS (Orientationd); GPU-cached data carries no metadata, so fall back to that
+        affine = np.asarray(image.affine, dtype=float) if hasattr(image, "affine") else np.eye(4)
         rgb = render_case(
             _volume(image), _volume(label, argmax=True), _volume(pred, argmax=True), affine, (0.0, 1.0), "validation"
         )

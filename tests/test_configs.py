@@ -33,6 +33,8 @@ def test_demo_writes_only_under_its_run_folder(demo_run, root):
     tmp, _, before = demo_run
     assert (tmp / "run" / "model.pt").is_file()
     assert list((tmp / "run").glob("events.out.tfevents.*")), "TensorBoard logs"
+    device = json.loads((tmp / "run" / "device_report.json").read_text())
+    assert device["backend"] == "cpu" and "MIOPEN_FIND_MODE" not in device["settings"]
     state = torch.load(tmp / "run" / "checkpoints" / "latest.pt", weights_only=True)
     assert state["trainer"]["epoch"] == 10
     weights = root / "models" / "model.pt"

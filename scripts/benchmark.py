@@ -1,0 +1,133 @@
+"""Training throughput with the switches in force: a timer on the trainer's own events, and its JSON report.
+
+:class:`StepTimer` lets ``warmup`` iterations pass (compilation, cache warm-up, cuDNN/MIOpen algorithm search), then
+times ``steps`` iterations and stops the trainer. For each timed step it records the wait for the batch
+(``GET_BATCH_STARTED`` -> ``GET_BATCH_COMPLETED``) and the whole step (batch wait + transfer + forward, backward,
+optimiser; the device is synchronised before the clock is read, so asynchronous GPU work is counted). It writes
+``benchmark.json`` -- ms/step (median, p90), patches/s, the fraction of step time spent waiting for data, peak
+device memory (peak RSS on a CPU), the device report and the switches -- and prints one summary line.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import resource
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from ignite.engine import Engine, Events
+
+logger = logging.getLogger(__name__)
+
+#: forward + backward cost of SwinUNETR feature_size 48 on one 96^3 patch (fvcore-style count, ~1.9 TFLOP)
+SWINUNETR48_TFLOP_PER_96CUBE = 1.9
+
+
+class StepTimer:
+    """Ignite handler: warm up, time ``steps`` training iterations, write ``path`` and stop the trainer."""
+
+    def __init__(
+        self,
+        path: str | Path,
+        device: torch.device | str,
+        warmup: int = 5,
+        steps: int = 20,
+        patches_per_step: int = 1,
+        switches: dict | None = None,
+        device_report: dict | None = None,
+        tflop_per_patch: float | None = None,
+        enabled: bool = True,
+    ) -> None:
+        self.path = Path(path)
+        self.device = torch.device(device)
+        self.warmup, self.steps = int(warmup), int(steps)
+        self.patches_per_step = int(patches_per_step)
+        self.switches = dict(switches or {})
+        self.device_report = device_report
+        self.tflop_per_patch = tflop_per_patch
+        self.enabled = enabled
+        self.wait: list[float] = []
+        self.total: list[float] = []
+        self._t0 = self._t1 = 0.0
+        self._count = 0
+
+    def attach(self, engine: Engine) -> None:
+        engine.add_event_handler(Events.GET_BATCH_STARTED, self._batch_started)
+        engine.add_event_handler(Events.GET_BATCH_COMPLETED, self._batch_completed)
+        engine.add_event_handler(Events.ITERATION_COMPLETED, self._iteration_completed)
+        engine.add_event_handler(Events.COMPLETED, self._completed)
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _batch_started(self, engine: Engine) -> None:
+        self._sync()
+        self._t0 = time.perf_counter()
+
+    def _batch_completed(self, engine: Engine) -> None:
+        self._t1 = time.perf_counter()
+
+    def _iteration_completed(self, engine: Engine) -> None:
+        self._sync()
+        end = time.perf_counter()
+        self._count += 1
+        if self._count == self.warmup and self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        if self._count > self.warmup:
+            self.wait.append(self._t1 - self._t0)
+            self.total.append(end - self._t0)
+        if len(self.total) >= self.steps:
+            engine.terminate()
+
+    def _completed(self, engine: Engine) -> None:
+        if not self.enabled or not self.total:
+            return
+        report = self.report()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(f".{self.path.name}.tmp{os.getpid()}")
+        tmp.write_text(json.dumps(report, indent=2, default=str) + "\n")
+        os.replace(tmp, self.path)
+        r = report["result"]
+        print(
+            f"benchmark: {r['ms_per_step_median']:.1f} ms/step (p90 {r['ms_per_step_p90']:.1f}), "
+            f"{r['patches_per_s']:.2f} patches/s, data wait {100 * r['data_wait_fraction']:.1f}% of step time, "
+            f"peak memory {r['peak_memory_gib']:.2f} GiB ({r['peak_memory_kind']}); {self.path}"
+        )
+
+    def report(self) -> dict[str, Any]:
+        total, wait = np.asarray(self.total), np.asarray(self.wait)
+        median = float(np.median(total))
+        if self.device.type == "cuda":
+            peak, kind = torch.cuda.max_memory_allocated(self.device) / 2**30, "device, torch allocator"
+        else:
+            peak, kind = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, "host RSS"
+        result = {
+            "warmup_steps": self.warmup,
+            "timed_steps": len(total),
+            "patches_per_step": self.patches_per_step,
+            "ms_per_step_median": 1000 * median,
+            "ms_per_step_p90": 1000 * float(np.percentile(total, 90)),
+            "ms_per_step_mean": 1000 * float(total.mean()),
+            "patches_per_s": self.patches_per_step * len(total) / float(total.sum()),
+            "data_wait_fraction": float(wait.sum() / total.sum()),
+            "data_wait_ms_median": 1000 * float(np.median(wait)),
+            "peak_memory_gib": round(peak, 3),
+            "peak_memory_kind": kind,
+        }
+        if self.tflop_per_patch:
+            result["model_tflop_per_s"] = result["patches_per_s"] * self.tflop_per_patch
+        return {"result": result, "switches": self.switches, "device": self.device_report}
+
+
+def tflop_per_patch(feature_size: int, roi_size: list[int]) -> float | None:
+    """The known forward+backward cost for SwinUNETR f48 at 96^3 (scaled by voxels for other patch sizes), else None:
+    model-FLOP utilisation is reported only where the count is known."""
+    if int(feature_size) != 48:
+        return None
+    return SWINUNETR48_TFLOP_PER_96CUBE * float(np.prod(roi_size)) / 96**3

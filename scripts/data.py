@@ -1,0 +1,70 @@
+"""Where the training data lives between epochs, and how it reaches the network: one switch each.
+
+* ``cache``: ``none`` (``Dataset``: every transform every epoch, as the original scripts did), ``memory``
+  (``CacheDataset``: the deterministic transforms run once, results kept in RAM), ``disk`` (``PersistentDataset``:
+  kept as files under ``cache_dir``, shared by later runs; for data larger than RAM) or ``gpu`` (``CacheDataset``
+  whose last deterministic transform moved the volumes to the device, so the random crops and augmentation run
+  there, without metadata tracking, and nothing crosses PCIe per step).
+* The loader: ``DataLoader`` with worker processes, or MONAI's ``ThreadDataLoader`` (a background thread; no
+  process start-up or pickling). GPU-cached data is always loaded by a thread in the main process: CUDA tensors
+  cannot be shared with worker processes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from monai.data import CacheDataset, DataLoader, Dataset, PersistentDataset, ThreadDataLoader
+
+from scripts.checks import ConfigError, as_bool
+
+CACHE_MODES = ("none", "memory", "disk", "gpu")
+
+
+def check_cache(cache: str) -> str:
+    cache = str(cache).lower()
+    if cache not in CACHE_MODES:
+        raise ConfigError(f"cache: {cache!r} is not one of {list(CACHE_MODES)}.")
+    return cache
+
+
+def make_dataset(
+    cache: str,
+    data: Sequence[dict],
+    transform: Callable,
+    cache_rate: float = 1.0,
+    num_workers: int | None = None,
+    cache_dir: str | Path | None = None,
+) -> Dataset:
+    """The dataset for ``cache`` (see the module docstring)."""
+    cache = check_cache(cache)
+    if cache == "none":
+        return Dataset(data=data, transform=transform)
+    if cache == "disk":
+        if not cache_dir:
+            raise ConfigError("cache: 'disk' needs cache_dir, a folder for the cached volumes.")
+        Path(cache_dir).mkdir(parents=True, exist_ok=True)
+        return PersistentDataset(data=data, transform=transform, cache_dir=cache_dir)
+    return CacheDataset(data=data, transform=transform, cache_rate=cache_rate, num_workers=num_workers or None)
+
+
+def make_loader(
+    dataset: Dataset,
+    cache: str = "memory",
+    thread_loader: bool | str = False,
+    batch_size: int = 1,
+    shuffle: bool = False,
+    num_workers: int = 0,
+    persistent_workers: bool | str = True,
+) -> DataLoader:
+    """``ThreadDataLoader`` for GPU-cached data or when asked, else ``DataLoader`` with ``num_workers`` processes."""
+    num_workers = int(num_workers)
+    if check_cache(cache) == "gpu":
+        return ThreadDataLoader(dataset, batch_size=batch_size, shuffle=shuffle, num_workers=0)
+    if as_bool(thread_loader, "thread_loader"):
+        return ThreadDataLoader(dataset, batch_size=batch_size, shuffle=shuffle, num_workers=num_workers)
+    persistent = as_bool(persistent_workers, "persistent_workers") and num_workers > 0
+    return DataLoader(
+        dataset, batch_size=batch_size, shuffle=shuffle, num_workers=num_workers, persistent_workers=persistent
+    )
