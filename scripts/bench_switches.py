@@ -48,8 +48,8 @@ def run(
     only: str | None = None,
     timeout: int = 1800,
     **overrides,
-) -> str:
-    """Benchmark every set (or those whose name contains ``only``); returns the markdown table."""
+) -> None:
+    """Benchmark every set (or those whose name contains ``only``); prints the markdown table and writes it."""
     configs = ["configs/train.yaml"] + (["configs/demo.yaml"] if str(demo).lower() == "true" else [])
     configs.append("configs/benchmark.yaml")
     gpu = torch.cuda.is_available()
@@ -78,7 +78,6 @@ def run(
     out.mkdir(parents=True, exist_ok=True)
     (out / "performance_table.md").write_text(table)
     print(table)
-    return table
 
 
 def _table(rows: list[tuple[str, dict | None]]) -> str:

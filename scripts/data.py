@@ -15,7 +15,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from monai.data import CacheDataset, DataLoader, Dataset, PersistentDataset, ThreadDataLoader
+from monai.data import CacheDataset, DataLoader, Dataset, MetaTensor, PersistentDataset, ThreadDataLoader
+from monai.engines import default_prepare_batch
 
 from scripts.checks import ConfigError, as_bool
 
@@ -68,3 +69,18 @@ def make_loader(
     return DataLoader(
         dataset, batch_size=batch_size, shuffle=shuffle, num_workers=num_workers, persistent_workers=persistent
     )
+
+
+def plain_tensor_batch(batchdata, device=None, non_blocking: bool = False, **kwargs):
+    """MONAI's ``default_prepare_batch`` with the metadata dropped, for a ``torch.compile``d network.
+
+    Compiled graphs want plain tensors; MONAI's own round trip (strip, then re-wrap the batch metadata after the
+    forward pass) fails as soon as a batch holds more than one patch (its collated ``original_channel_dim`` is a
+    tensor), so the trainer is given plain tensors from the start.
+    """
+    image, label = default_prepare_batch(batchdata, device, non_blocking, **kwargs)
+    return _plain(image), _plain(label)
+
+
+def _plain(x):
+    return x.as_tensor() if isinstance(x, MetaTensor) else x

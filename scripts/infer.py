@@ -69,7 +69,7 @@ def find_inputs(input_dir: str | Path, report_dir: str | Path | None = None) -> 
         candidates.append((root, "nifti" if _is_nifti(root) else "unknown"))
     else:
         covered: set[Path] = set()
-        for folder, dirs, files in os.walk(root):
+        for folder, dirs, files in os.walk(root, followlinks=True):  # linked case folders are inputs too
             dirs[:] = sorted(d for d in dirs if not d.startswith("."))
             folder = Path(folder)
             for name in sorted(files):

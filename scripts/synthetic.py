@@ -63,7 +63,10 @@ def write_case(
     xs = origin[0] + np.arange(nx) * col_spacing
     ys = origin[1] + np.arange(ny) * row_spacing
     zs = origin[2] + np.arange(nz) * slice_spacing
-    x, y, z = np.meshgrid(xs, ys, zs, indexing="ij")
+    # sparse grids: every expression below broadcasts to the volume only in its (boolean) result, so a realistic
+    # 512 x 512 x 120 case needs hundreds of MB, not tens of GB of float64 temporaries
+    x, y, z = np.meshgrid(xs, ys, zs, indexing="ij", sparse=True)
+    shape = (nx, ny, nz)
     z_mid, z_len = zs.mean(), zs[-1] - zs[0]
 
     body_a, body_b = 0.44 * width_x, 0.36 * width_y
@@ -78,6 +81,8 @@ def write_case(
     masks["Heart"] = _ellipsoid(x, y, z, heart_c, [0.1 * width_x, 0.09 * width_y, 0.25 * z_len]) & body
     masks["Esophagus"] = ((x - 0.02 * width_x) ** 2 + (y - 0.1 * width_y) ** 2 <= (0.025 * width_x) ** 2) & body
     masks["Spinal-Cord"] = (x**2 + (y - 0.27 * width_y) ** 2 <= (0.03 * width_x) ** 2) & body
+    body = np.broadcast_to(body, shape)
+    masks = {name: np.broadcast_to(mask, shape) for name, mask in masks.items()}
 
     # tumour: a main ellipsoid and an offset lobe inside one lung; LPS +x is the patient's left
     side = "left" if rng.random() < 0.5 else "right"
@@ -91,15 +96,15 @@ def write_case(
         {"center_lps": [float(v) for v in centre], "radii_mm": [float(v) for v in radii]},
         {"center_lps": [float(v) for v in lobe_c], "radii_mm": [float(v) for v in lobe_r]},
     ]
-    tumour = np.zeros(x.shape, bool)
+    tumour = np.zeros(shape, bool)
     for e in ellipsoids:
         tumour |= _ellipsoid(x, y, z, e["center_lps"], e["radii_mm"])
     if empty_gtv:
-        masks["GTV-1"] = np.zeros(x.shape, bool)
+        masks["GTV-1"] = np.zeros(shape, bool)
     else:
         masks["GTV-1"] = tumour
 
-    hu = np.full(x.shape, HU["air"])
+    hu = np.full(shape, HU["air"])
     hu[body] = HU["body"]
     for name in ("Lung-Left", "Lung-Right"):
         hu[masks[name]] = HU["lung"]
@@ -168,7 +173,7 @@ def write_case(
         seg.save_as(seg_dir / "1-1.dcm")
         written = names
 
-    voxels = np.stack([x[tumour], y[tumour], z[tumour]], -1)
+    voxels = np.stack([np.broadcast_to(c, shape)[tumour] for c in (x, y, z)], -1)
     truth = {
         "patient_id": patient_id,
         "collection": collection,

@@ -191,6 +191,14 @@ def test_onnx_export_matches_the_eager_network(demo_run, root, tmp_path):
     np.testing.assert_allclose(actual, expected, rtol=1e-3, atol=1e-3)
 
 
+def test_inference_network_matches_the_metadata(root):
+    """``verify_net_in_out``: metadata.json's input/output description fits the inference config's network."""
+    args = [sys.executable, "-m", "monai.bundle", "verify_net_in_out", "network_def", "--meta_file",
+            "configs/metadata.json", "--config_file", "configs/inference.yaml", "--feature_size", "12"]  # fmt: skip
+    result = subprocess.run(args, cwd=root, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and "verified with no error" in result.stdout + result.stderr, result.stderr[-2000:]
+
+
 def test_validation_picture_reaches_tensorboard(demo_run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

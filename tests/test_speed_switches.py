@@ -64,7 +64,7 @@ def test_benchmark_reports_the_defaults(root, demo_run, tmp_path):
 def test_every_cpu_switch_flipped_still_trains(root, demo_run, tmp_path):
     flipped = {"cache": "disk", "thread_loader": "true", "use_checkpoint": "true", "use_v2": "true",
                "channels_last": "true", "compile": "true", "compile_backend": "eager", "cpu_threads": 2,
-               "cache_dir": tmp_path / "cache"}  # fmt: skip
+               "cache_dir": tmp_path / "cache", "num_samples": 2}  # fmt: skip
     report, _ = benchmark(root, demo_run, tmp_path, **flipped)
     switches = report["switches"]
     assert switches["loader"] == "ThreadDataLoader" and switches["cache"] == "disk"
@@ -73,4 +73,4 @@ def test_every_cpu_switch_flipped_still_trains(root, demo_run, tmp_path):
     # PersistentDataset writes a volume when first loaded: at least the 3 loaded steps, at most the training list
     training = json.loads((demo_run[0] / "prepared" / "datalist.json").read_text())["training"]
     assert 3 <= len(list((tmp_path / "cache").glob("*.pt"))) <= len(training)
-    assert report["result"]["timed_steps"] == 2
+    assert report["result"]["timed_steps"] == 2 and report["result"]["patches_per_step"] == 2
