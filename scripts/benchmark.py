@@ -22,6 +22,8 @@ import numpy as np
 import torch
 from ignite.engine import Engine, Events
 
+from scripts.distributed import is_rank0, world_size
+
 logger = logging.getLogger(__name__)
 
 #: forward + backward cost of SwinUNETR feature_size 48 on one 96^3 patch (fvcore-style count, ~1.9 TFLOP)
@@ -41,7 +43,7 @@ class StepTimer:
         switches: dict | None = None,
         device_report: dict | None = None,
         tflop_per_patch: float | None = None,
-        enabled: bool = True,
+        enabled: bool | None = None,
     ) -> None:
         self.path = Path(path)
         self.device = torch.device(device)
@@ -50,7 +52,7 @@ class StepTimer:
         self.switches = dict(switches or {})
         self.device_report = device_report
         self.tflop_per_patch = tflop_per_patch
-        self.enabled = enabled
+        self.enabled = is_rank0() if enabled is None else enabled  # None: rank 0 of a DDP run writes the report
         self.wait: list[float] = []
         self.total: list[float] = []
         self._t0 = self._t1 = 0.0
@@ -96,7 +98,8 @@ class StepTimer:
         r = report["result"]
         print(
             f"benchmark: {r['ms_per_step_median']:.1f} ms/step (p90 {r['ms_per_step_p90']:.1f}), "
-            f"{r['patches_per_s']:.2f} patches/s, data wait {100 * r['data_wait_fraction']:.1f}% of step time, "
+            f"{r['patches_per_s']:.2f} patches/s per rank x {r['ranks']}, "
+            f"data wait {100 * r['data_wait_fraction']:.1f}% of step time, "
             f"peak memory {r['peak_memory_gib']:.2f} GiB ({r['peak_memory_kind']}); {self.path}"
         )
 
@@ -120,6 +123,8 @@ class StepTimer:
             "peak_memory_gib": round(peak, 3),
             "peak_memory_kind": kind,
         }
+        result["ranks"] = world_size()  # DDP: every rank takes the same steps, the run does N times one rank's work
+        result["global_patches_per_s"] = result["patches_per_s"] * result["ranks"]
         if self.tflop_per_patch:
             result["model_tflop_per_s"] = result["patches_per_s"] * self.tflop_per_patch
         return {"result": result, "switches": self.switches, "device": self.device_report}

@@ -27,6 +27,7 @@ import torch
 from ignite.engine import Engine, Events
 
 from scripts.checks import as_bool
+from scripts.distributed import is_rank0
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +80,7 @@ class TrainingCheckpoint:
         evaluator: Engine | None = None,
         resume: bool | str = False,
         save_interval: int = 1,
-        enabled: bool = True,
+        enabled: bool | None = None,
         transforms: Any = None,
     ) -> None:
         self.path = Path(path)
@@ -87,7 +88,8 @@ class TrainingCheckpoint:
         self.evaluator = evaluator
         self.resume = as_bool(resume, "resume")
         self.save_interval = max(int(save_interval), 1)
-        self.enabled = enabled  # False on non-zero DDP ranks: they load but never write
+        # None: only rank 0 of a DDP run writes; every rank loads on resume (DDP syncs gradients, not weights)
+        self.enabled = is_rank0() if enabled is None else as_bool(enabled, "enabled")
         self.generators = _random_generators(transforms)
 
     def attach(self, engine: Engine) -> None:
@@ -172,12 +174,16 @@ class BestModelSaver:
     """
 
     def __init__(
-        self, path: str | Path, network: torch.nn.Module, labels: Sequence[str] | None = None, enabled: bool = True
+        self,
+        path: str | Path,
+        network: torch.nn.Module,
+        labels: Sequence[str] | None = None,
+        enabled: bool | None = None,
     ) -> None:
         self.path = Path(path)
         self.network = network
         self.labels = list(labels) if labels is not None else None
-        self.enabled = enabled
+        self.enabled = is_rank0() if enabled is None else as_bool(enabled, "enabled")  # None: rank 0 writes
 
     def attach(self, engine: Engine) -> None:
         engine.add_event_handler(Events.EPOCH_COMPLETED, self)

@@ -58,17 +58,20 @@ def make_loader(
     shuffle: bool = False,
     num_workers: int = 0,
     persistent_workers: bool | str = True,
+    sampler=None,
 ) -> DataLoader:
-    """``ThreadDataLoader`` for GPU-cached data or when asked, else ``DataLoader`` with ``num_workers`` processes."""
+    """``ThreadDataLoader`` for GPU-cached data or when asked, else ``DataLoader`` with ``num_workers`` processes.
+
+    With a ``sampler`` (DDP's ``DistributedSampler``) the sampler shuffles, not the loader."""
     num_workers = int(num_workers)
+    shuffle = bool(shuffle) and sampler is None
+    common = {"batch_size": batch_size, "shuffle": shuffle, "sampler": sampler}
     if check_cache(cache) == "gpu":
-        return ThreadDataLoader(dataset, batch_size=batch_size, shuffle=shuffle, num_workers=0)
+        return ThreadDataLoader(dataset, num_workers=0, **common)
     if as_bool(thread_loader, "thread_loader"):
-        return ThreadDataLoader(dataset, batch_size=batch_size, shuffle=shuffle, num_workers=num_workers)
+        return ThreadDataLoader(dataset, num_workers=num_workers, **common)
     persistent = as_bool(persistent_workers, "persistent_workers") and num_workers > 0
-    return DataLoader(
-        dataset, batch_size=batch_size, shuffle=shuffle, num_workers=num_workers, persistent_workers=persistent
-    )
+    return DataLoader(dataset, num_workers=num_workers, persistent_workers=persistent, **common)
 
 
 def plain_tensor_batch(batchdata, device=None, non_blocking: bool = False, **kwargs):

@@ -109,8 +109,11 @@ class ValidationPicture:
     is (0, 1)), ``label`` and ``pred`` one-hot.
     """
 
-    def __init__(self, log_dir: str, image_key: str = "image", label_key: str = "label", enabled: bool = True):
-        self.log_dir, self.image_key, self.label_key, self.enabled = log_dir, image_key, label_key, enabled
+    def __init__(self, log_dir: str, image_key: str = "image", label_key: str = "label", enabled: bool | None = None):
+        from scripts.distributed import is_rank0
+
+        self.log_dir, self.image_key, self.label_key = log_dir, image_key, label_key
+        self.enabled = is_rank0() if enabled is None else enabled  # None: rank 0 of a DDP run only
         self._writer = None
 
     def attach(self, engine: Engine) -> None:

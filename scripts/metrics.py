@@ -32,6 +32,8 @@ import torch
 from ignite.engine import Engine, Events
 from monai.metrics import compute_hausdorff_distance, compute_surface_dice
 
+from scripts.distributed import is_rank0, world_size
+
 logger = logging.getLogger(__name__)
 
 METRICS = ("dice", "hd95_mm", "surface_dice", "truth_ml", "pred_ml")
@@ -112,7 +114,7 @@ class CaseMetrics:
         truth_key: str = "truth",
         pictures: int = 0,
         hu_window: Sequence[float] = (-1000, 500),
-        enabled: bool = True,
+        enabled: bool | None = None,
     ) -> None:
         self.output_dir = Path(output_dir)
         self.labels = list(labels)
@@ -120,7 +122,7 @@ class CaseMetrics:
         self.pred_key, self.truth_key = pred_key, truth_key
         self.pictures = int(pictures)
         self.hu_window = tuple(hu_window)
-        self.enabled = enabled
+        self.enabled = is_rank0() if enabled is None else enabled  # None: rank 0 writes (after gathering all ranks)
         self.rows: list[dict] = []
         self._png: dict[str, bytes] = {}
 
@@ -140,7 +142,7 @@ class CaseMetrics:
             row = {"case_id": case_id, **case_metrics(pred, truth, spacing, self.labels, self.tolerance_mm)}
             self.rows.append(row)
             logger.info("%s: %s", case_id, ", ".join(f"{k} {v:.4g}" for k, v in row.items() if k.endswith("_dice")))
-            if self.enabled and self.pictures:
+            if self.pictures:
                 self._png[case_id] = self._render(item, pred, truth)
 
     def _render(self, item: dict, pred: np.ndarray, truth: np.ndarray) -> bytes:
@@ -153,6 +155,11 @@ class CaseMetrics:
         return png_bytes(render_case(ct, truth, pred, affine, self.hu_window, title=_case_id(item)))
 
     def write(self, engine: Engine | None = None) -> None:
+        if world_size() > 1:  # each rank evaluated its own cases: rank 0 writes them all
+            gathered: list = [None] * world_size()
+            torch.distributed.all_gather_object(gathered, (self.rows, self._png))
+            self.rows = sorted((r for rows, _ in gathered for r in rows), key=lambda r: r["case_id"])
+            self._png = {k: v for _, png in gathered for k, v in png.items()}
         if not self.enabled or not self.rows:
             return
         self.output_dir.mkdir(parents=True, exist_ok=True)

@@ -60,6 +60,24 @@ def demo_args(tmp: Path, shrink: bool = True, **overrides) -> list[str]:
     return args
 
 
+def train_workflow(root: Path, configs: list[str], demo_tmp: Path, output_dir: Path):
+    """An initialised single-process ``ConfigWorkflow`` of ``configs`` on the demo run's prepared data."""
+    from monai.bundle import ConfigWorkflow
+
+    workflow = ConfigWorkflow(
+        config_file=[str(root / c) for c in configs],
+        meta_file=str(root / "configs" / "metadata.json"),
+        workflow_type="train",
+        bundle_root=str(root),
+        dataset_dir=str(demo_tmp / "data"),
+        prepared_dir=str(demo_tmp / "prepared"),
+        output_dir=str(output_dir),
+        acquire_data="$None",
+    )
+    workflow.initialize()
+    return workflow
+
+
 @pytest.fixture(scope="session")
 def demo_run(tmp_path_factory, root):
     """The demo exactly as a user runs it (10 cases, 10 epochs), only its folders moved to a temporary place."""

@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from conftest import bundle_run, demo_args
+from conftest import bundle_run, demo_args, train_workflow
 
 
 def best_dice(stdout: str) -> float:
@@ -97,19 +97,7 @@ def test_wrong_config_values_fail_fast_with_what_to_change(tmp_path, root, overr
 
 
 def test_check_properties_pass_for_train_and_demo(demo_run, root):
-    from monai.bundle import ConfigWorkflow
-
     tmp, _, _ = demo_run
-    for config in ("configs/train.yaml", ["configs/train.yaml", "configs/demo.yaml"]):
-        workflow = ConfigWorkflow(
-            config_file=[str(root / c) for c in ([config] if isinstance(config, str) else config)],
-            meta_file=str(root / "configs" / "metadata.json"),
-            workflow_type="train",
-            bundle_root=str(root),
-            dataset_dir=str(tmp / "data"),
-            prepared_dir=str(tmp / "prepared"),
-            output_dir=str(tmp / "props"),
-            acquire_data="$None",
-        )
-        workflow.initialize()
+    for configs in (["configs/train.yaml"], ["configs/train.yaml", "configs/demo.yaml"]):
+        workflow = train_workflow(root, configs, tmp, tmp / "props")
         assert workflow.check_properties() == []

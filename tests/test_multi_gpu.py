@@ -1,0 +1,128 @@
+"""DDP through torchrun on CPUs (gloo): ranks agree, validation covers every case once, shards are disjoint,
+a killed rank is restarted from the last checkpoint, and two "nodes" meet at a c10d rendezvous on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import DEMO, train_workflow
+
+MULTI = DEMO[:-1] + ",'configs/multi_gpu_train.yaml']"
+
+
+def bundle_args(demo_tmp: Path, out: Path, **overrides) -> list[str]:
+    settings = {"dataset_dir": demo_tmp / "data", "prepared_dir": demo_tmp / "prepared", "output_dir": out,
+                "num_samples": 1, "val_interval": 1, "max_epochs": 1, "dist_timeout_minutes": 10}  # fmt: skip
+    settings.update(overrides)
+    args = ["-m", "monai.bundle", "run", "--config_file", MULTI]
+    for key, value in settings.items():
+        args += [f"--{key}", str(value)]
+    return args
+
+
+def torchrun(*args: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", *args]
+
+
+def workers_of(pid: int) -> list[int]:
+    found = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
+    return [int(p) for p in found]
+
+
+def logged_dice(log: str, epoch: int) -> float:
+    """The validation Dice rank 0's StatsHandler logged for ``epoch``."""
+    matches = re.findall(r"Epoch\[(\d+)\] Metrics -- val_mean_dice: ([0-9.]+)", log)
+    return float(dict(matches)[str(epoch)])
+
+
+def test_two_ranks_restart_after_a_kill_and_agree(demo_run, root, tmp_path):
+    demo_tmp, _, _ = demo_run
+    out = tmp_path / "run"
+    dump = "$torch.save(scripts.checkpoint.unwrap(@network).state_dict(), '{}/rank' + str(dist.get_rank()) + '.pt')"
+    finalize = str([dump.format(tmp_path), "$scripts.distributed.cleanup()"])
+    command = torchrun("--standalone", "--nproc_per_node=2", "--max-restarts=1",
+                       *bundle_args(demo_tmp, out, max_epochs=2, resume="true", finalize=finalize))  # fmt: skip
+    log_file = tmp_path / "log.txt"
+    with log_file.open("w") as log:
+        job = subprocess.Popen(command, cwd=root, stdout=log, stderr=subprocess.STDOUT)
+        latest = out / "checkpoints" / "latest.pt"
+        deadline = time.monotonic() + 600
+        while not latest.exists() and job.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        workers = workers_of(job.pid)
+        assert len(workers) == 2 and job.poll() is None, log_file.read_text()[-3000:]
+        os.kill(workers[-1], signal.SIGKILL)  # one rank dies during epoch 2
+        job.wait(timeout=900)
+    text = log_file.read_text()
+    assert job.returncode == 0, text[-4000:]
+    assert "resumed from" in text, "the restarted workers continued from the checkpoint"
+    state = torch.load(latest, weights_only=True)
+    assert state["trainer"]["epoch"] == 2
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
+    for name, tensor in state["network"].items():
+        torch.testing.assert_close(ranks[0][name], tensor, msg=name)
+        torch.testing.assert_close(ranks[1][name], tensor, msg=f"rank 1 differs from the saved weights: {name}")
+
+    # the Dice logged under DDP (each rank validated half the cases) equals one process validating all of them
+    from scripts.checkpoint import load_weights
+
+    workflow = train_workflow(root, ["configs/train.yaml", "configs/demo.yaml"], demo_tmp, tmp_path / "single")
+    load_weights(workflow.parser.get_parsed_content("network"), latest)
+    evaluator = workflow.parser.get_parsed_content("validate#evaluator")
+    evaluator.run()
+    assert evaluator.state.metrics["val_mean_dice"] == pytest.approx(logged_dice(text, 2), abs=1e-4)
+    validation = json.loads((demo_tmp / "prepared" / "datalist.json").read_text())["validation"]
+    shards = re.findall(r"rank (\d) holds (\d+) validation case\(s\): ([\w\- ]+)", text)
+    assert sorted(c for _, _, ids in shards[-2:] for c in ids.split()) == sorted(d["case_id"] for d in validation)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_nodes_on_localhost_with_partitioned_cache(demo_run, root, tmp_path):
+    demo_tmp, _, _ = demo_run
+    port = free_port()
+    launcher = ["--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}",
+                "--rdzv_id=pytest"]  # fmt: skip
+    args = bundle_args(demo_tmp, tmp_path / "run", partition_cache="true")
+    nodes = [
+        subprocess.Popen(
+            torchrun(*launcher, *args), cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        for _ in range(2)
+    ]
+    logs = [node.communicate(timeout=900)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], logs[0][-3000:] + logs[1][-3000:]
+    held = {}
+    for rank, _, ids in re.findall(r"rank (\d) holds (\d+) training case\(s\): ([\w\- ]+)", "\n".join(logs)):
+        held[rank] = set(ids.split())
+    training = {d["case_id"] for d in json.loads((demo_tmp / "prepared" / "datalist.json").read_text())["training"]}
+    assert set(held) == {"0", "1"} and not held["0"] & held["1"], "each case is cached on exactly one rank"
+    assert held["0"] | held["1"] == training
+
+
+def test_evaluation_on_two_ranks_counts_every_case_once(demo_run, root, tmp_path):
+    demo_tmp, _, _ = demo_run
+    configs = DEMO[:-1] + ",'configs/evaluate.yaml','configs/multi_gpu_evaluate.yaml']"
+    args = ["-m", "monai.bundle", "run", "evaluate", "--config_file", configs, "--dataset_dir", str(demo_tmp / "data"),
+            "--prepared_dir", str(demo_tmp / "prepared"), "--output_dir", str(demo_tmp / "run"),
+            "--eval_dir", str(tmp_path), "--eval_split", "training", "--eval_pictures", "0"]  # fmt: skip
+    result = subprocess.run(torchrun("--standalone", "--nproc_per_node=2", *args), cwd=root, capture_output=True,
+                            text=True, timeout=600)  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = (tmp_path / "metrics.csv").read_text().splitlines()[1:]
+    training = json.loads((demo_tmp / "prepared" / "datalist.json").read_text())["training"]
+    assert sorted(r.split(",")[0] for r in rows) == sorted(d["case_id"] for d in training)
