@@ -18,7 +18,6 @@ benchmark number can always be traced to the settings that produced it.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import platform
@@ -28,6 +27,7 @@ from typing import Any
 import torch
 
 from scripts.checks import ConfigError, as_bool
+from scripts.files import write_json
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ def configure(
     (logger.info if rank == 0 else logger.debug)("device report:\n%s", _as_lines(info))
     if as_bool(report, "report") and rank == 0:
         path = output_dir / "device_report.json"
-        _write_json_atomically(info, path)
+        write_json(path, info, default=str)
         logger.info("device report written to %s", path)
     return info
 
@@ -284,13 +284,3 @@ def _as_lines(info: dict[str, Any]) -> str:
     lines.append("  settings:" if settings else "  settings: none applied")
     lines += [f"    {name} = {entry['value']} ({entry['source']})" for name, entry in settings.items()]
     return "\n".join(lines)
-
-
-def _write_json_atomically(obj: dict[str, Any], path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        tmp.write_text(json.dumps(obj, indent=2, default=str) + "\n")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)

@@ -10,9 +10,7 @@ device memory (peak RSS on a CPU), the device report and the switches -- and pri
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import resource
 import time
 from pathlib import Path
@@ -23,6 +21,7 @@ import torch
 from ignite.engine import Engine, Events
 
 from scripts.distributed import is_rank0, world_size
+from scripts.files import write_json
 
 logger = logging.getLogger(__name__)
 
@@ -91,10 +90,7 @@ class StepTimer:
         if not self.enabled or not self.total:
             return
         report = self.report()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(f".{self.path.name}.tmp{os.getpid()}")
-        tmp.write_text(json.dumps(report, indent=2, default=str) + "\n")
-        os.replace(tmp, self.path)
+        write_json(self.path, report, default=str)
         r = report["result"]
         print(
             f"benchmark: {r['ms_per_step_median']:.1f} ms/step (p90 {r['ms_per_step_p90']:.1f}), "

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import random
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -28,20 +27,14 @@ from ignite.engine import Engine, Events
 
 from scripts.checks import as_bool
 from scripts.distributed import is_rank0
+from scripts.files import replace_atomically, write_json
 
 logger = logging.getLogger(__name__)
 
 
 def atomic_save(obj: Any, path: str | Path) -> None:
     """``torch.save`` to ``path`` via a temporary file and a rename."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        torch.save(obj, tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    replace_atomically(path, lambda tmp: torch.save(obj, tmp))
 
 
 def unwrap(network: torch.nn.Module) -> torch.nn.Module:
@@ -193,9 +186,7 @@ class BestModelSaver:
             return
         atomic_save(unwrap(self.network).state_dict(), self.path)
         info = {"labels": self.labels, "epoch": engine.state.epoch, "metric": float(engine.state.best_metric)}
-        tmp = self.path.with_name(f".{self.path.stem}.json.tmp{os.getpid()}")
-        tmp.write_text(json.dumps(info, indent=2))
-        os.replace(tmp, sidecar_of(self.path))
+        write_json(sidecar_of(self.path), info)
         logger.info(
             "new best metric %.4f at epoch %d: saved %s", engine.state.best_metric, engine.state.epoch, self.path
         )

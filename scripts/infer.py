@@ -41,6 +41,8 @@ from pydicom.sr.codedict import codes
 from scipy import ndimage
 
 from scripts.dicom import DicomCaseError, read_ct_series, scan_ct_series, segment_description
+from scripts.files import replace_atomically, save_nifti
+from scripts.metrics import spacing_of
 
 logger = logging.getLogger(__name__)
 
@@ -205,13 +207,13 @@ class SaveCased(MapTransform):
             labels = np.asarray(tensor.detach().cpu()).reshape(tensor.shape[-3:]).astype(np.uint8)
             affine = np.asarray(tensor.meta.get("original_affine", tensor.affine), dtype=float)
             nifti_path = folder / f"{case_id}_seg.nii.gz"
-            _save_nifti(nifti_path, labels, affine)
+            save_nifti(nifti_path, labels, affine)
             outputs = {"nifti": str(nifti_path)}
             if self.write_seg and d.get("source") == "dicom":
                 seg_path = folder / f"{case_id}_seg.dcm"
                 write_dicom_seg(labels, d["source_path"], self.labels, seg_path, self.algorithm)
                 outputs["dicom_seg"] = str(seg_path)
-            voxel_ml = float(np.prod(np.linalg.norm(affine[:3, :3], axis=0))) / 1000.0
+            voxel_ml = float(np.prod(spacing_of(affine))) / 1000.0
             volumes = {n: round(float((labels == i).sum()) * voxel_ml, 3) for i, n in enumerate(self.labels, start=1)}
             logger.info("%s: %s, volumes (ml) %s", case_id, ", ".join(outputs.values()), volumes)
             d[f"{key}_files"] = outputs
@@ -252,10 +254,7 @@ def write_dicom_seg(
         content_description="SwinUNETR segmentation",
         omit_empty_frames=True,
     )
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    seg.save_as(tmp)
-    os.replace(tmp, path)
+    replace_atomically(path, seg.save_as)
     return seg
 
 
@@ -370,12 +369,3 @@ def _name_cases(cases: list[dict], root: Path) -> None:
             name = "_".join(path.relative_to(root).parts) if path != root else root.name
         seen[name] = seen.get(name, 0) + 1
         case["case_id"] = name if seen[name] == 1 else f"{name}_{seen[name]}"
-
-
-def _save_nifti(path: Path, labels: np.ndarray, affine: np.ndarray) -> None:
-    image = nib.Nifti1Image(labels, affine)
-    image.set_qform(affine, code=1)
-    image.set_sform(affine, code=1)
-    tmp = path.with_name(f".{path.name[: -len('.nii.gz')]}.tmp{os.getpid()}.nii.gz")
-    nib.save(image, tmp)
-    os.replace(tmp, path)

@@ -19,10 +19,8 @@ and ``metrics_summary.json`` (mean, median, std, count per column), plus a PNG p
 from __future__ import annotations
 
 import csv
-import json
 import logging
 import math
-import os
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -33,6 +31,7 @@ from ignite.engine import Engine, Events
 from monai.metrics import compute_hausdorff_distance, compute_surface_dice
 
 from scripts.distributed import is_rank0, world_size
+from scripts.files import write_json, write_text
 
 logger = logging.getLogger(__name__)
 
@@ -164,14 +163,14 @@ class CaseMetrics:
             return
         self.output_dir.mkdir(parents=True, exist_ok=True)
         columns = [c for c in self.rows[0] if c != "case_id"]
-        _atomic_write(self.output_dir / "metrics.csv", _csv_text(self.rows, ["case_id", *columns]))
+        write_text(self.output_dir / "metrics.csv", _csv_text(self.rows, ["case_id", *columns]))
         summary = {
             "num_cases": len(self.rows),
             "labels": self.labels,
             "surface_dice_tolerance_mm": self.tolerance_mm,
             "metrics": summarize(self.rows, columns),
         }
-        _atomic_write(self.output_dir / "metrics_summary.json", json.dumps(summary, indent=2))
+        write_json(self.output_dir / "metrics_summary.json", summary)
         dice = {r["case_id"]: np.nanmean([r[f"{n}_dice"] for n in self.labels] or [np.nan]) for r in self.rows}
         worst = sorted(self._png, key=lambda c: (np.nan_to_num(dice[c], nan=2.0), c))
         if self.pictures > 0:
@@ -236,9 +235,3 @@ def _csv_text(rows: Sequence[dict], columns: Sequence[str]) -> str:
     for row in rows:
         writer.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in row.items()})
     return buffer.getvalue()
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)

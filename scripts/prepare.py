@@ -32,6 +32,7 @@ import numpy as np
 from tqdm import tqdm
 
 from scripts.dicom import DicomCaseError, find_seg_file, read_case
+from scripts.files import save_nifti, write_json
 
 logger = logging.getLogger(__name__)
 
@@ -121,8 +122,8 @@ def prepare(
         "rejected": [{k: r[k] for k in ("case_id", "path", "reason")} for r in rejected],
         "cases": ordered,
     }
-    _write_json(output_dir / DATALIST, datalist)
-    _write_json(output_dir / REPORT, report)
+    write_json(output_dir / DATALIST, datalist)
+    write_json(output_dir / REPORT, report)
     logger.info(
         "prepared %d, up to date %d, rejected %d -> %s",
         report["num_prepared"],
@@ -175,8 +176,8 @@ def prepare_case(case: dict, output_dir: str | Path, labels: Sequence[str]) -> d
                 )
         image_path = output_dir / "images" / f"{case['case_id']}.nii.gz"
         label_path = output_dir / "labels" / f"{case['case_id']}.nii.gz"
-        _save_nifti(image_path, volumes.image, volumes.affine)
-        _save_nifti(label_path, volumes.label, volumes.affine)
+        save_nifti(image_path, volumes.image, volumes.affine)
+        save_nifti(label_path, volumes.label, volumes.affine)
     except DicomCaseError as err:
         record["reason"] = f"{case['case_id']}: {err}"
         return record
@@ -245,22 +246,6 @@ def _up_to_date(case: dict, output_dir: Path) -> bool:
         return False
     newest_input = max((p.stat().st_mtime for p in Path(case["path"]).rglob("*") if p.is_file()), default=0.0)
     return min(p.stat().st_mtime for p in outputs) >= newest_input
-
-
-def _save_nifti(path: Path, array: np.ndarray, affine: np.ndarray) -> None:
-    """Write a NIfTI under a temporary name, then rename: readers never see half a file."""
-    image = nib.Nifti1Image(array, affine)
-    image.set_qform(affine, code=1)
-    image.set_sform(affine, code=1)
-    tmp = path.with_name(f".{path.name[: -len('.nii.gz')]}.tmp{os.getpid()}.nii.gz")
-    nib.save(image, tmp)
-    os.replace(tmp, path)
-
-
-def _write_json(path: Path, data: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=2))
-    os.replace(tmp, path)
 
 
 def _load_json(path: Path) -> dict | None:
