@@ -38,6 +38,9 @@ logger = logging.getLogger(__name__)
 SLICE_TOLERANCE = 0.1
 #: direction cosines of two slices count as equal below this difference
 ORIENTATION_TOLERANCE = 1e-4
+# what NBIA zips carry besides the slices (TciaDataset copies them into image/): skipped, not read as DICOM
+NOT_DICOM_SUFFIXES = {".csv", ".json", ".txt", ".xml"}
+NOT_DICOM_NAMES = {"LICENSE", "LICENSE.TXT", "README"}
 #: tags without which a slice cannot be placed in its series and in space
 REQUIRED_CT_TAGS = (
     "SeriesInstanceUID",
@@ -106,7 +109,7 @@ def scan_ct_series(image_dir: str | Path) -> tuple[list[tuple[Path, pydicom.Data
         raise DicomCaseError(f"{image_dir}: no files in the CT image folder; download the case again.")
     headers = []
     for path in files:
-        if path.suffix.lower() in {".csv", ".json", ".txt", ".xml"}:
+        if path.suffix.lower() in NOT_DICOM_SUFFIXES or path.name.upper() in NOT_DICOM_NAMES:
             continue
         try:
             ds = pydicom.dcmread(path, stop_before_pixels=True)

@@ -9,7 +9,14 @@ Output (``<output_dir>``):
 * ``labels/<case>.nii.gz`` -- uint8, 0 = background, ``i + 1`` = ``labels[i]`` (1 = GTV by default);
 * ``datalist.json`` -- ``training`` (each case with a ``fold``), ``validation`` and ``test`` lists. The split depends
   only on the patient ids and the seed (a hash order), never on the file system's listing order or the machine;
-* ``prepare_report.json`` -- every case with its status; rejected cases carry a reason naming the file.
+* ``prepare_report.json`` -- every case with its status; rejected cases carry a reason naming the file, and
+  prepared cases that look unusual carry ``notes`` (listed together under ``noted``).
+
+Content checks (no patient id is hard-coded): a case is rejected when its CT has a missing slice (a gap in the
+positions), mixed series or orientations, or undecodable files, when the SEG does not sit on the CT, or when a
+requested structure is empty (NSCLC-Radiomics holds post-operative scans without a GTV). A CT stored in an unusual
+orientation (rows/columns flipped, as for some prone or feet-first scans) is kept -- its affine places it correctly and
+training reorients to RAS -- and noted, so that a user checking the data knows which cases to look at.
 
 DICOM is parsed here once; training reads only the NIfTI files. A re-run skips cases whose outputs are newer than
 their inputs (and were made for the same labels). Every file is written under a temporary name and renamed, so a
@@ -38,6 +45,7 @@ logger = logging.getLogger(__name__)
 
 DATALIST = "datalist.json"
 REPORT = "prepare_report.json"
+USUAL_ORIENTATION = "LPS"  # NIfTI axis codes of an axial CT with ImageOrientationPatient [1,0,0,0,1,0], head up
 
 
 class PrepareError(RuntimeError):
@@ -102,6 +110,9 @@ def prepare(
     rejected = [r for r in ordered if r["status"] == "rejected"]
     for record in rejected:
         logger.warning("rejected %s: %s", record["case_id"], record["reason"])
+    for record in good:
+        for note in record.get("notes", []):
+            logger.info("note %s: %s", record["case_id"], note)
     if not good:
         reasons = sorted({r["reason"] for r in rejected})[:5]
         raise PrepareError(
@@ -120,6 +131,7 @@ def prepare(
         "num_up_to_date": sum(r["status"] == "up_to_date" for r in ordered),
         "num_rejected": len(rejected),
         "rejected": [{k: r[k] for k in ("case_id", "path", "reason")} for r in rejected],
+        "noted": [{"case_id": r["case_id"], "notes": r["notes"]} for r in good if r.get("notes")],
         "cases": ordered,
     }
     write_json(output_dir / DATALIST, datalist)
@@ -187,6 +199,13 @@ def prepare_case(case: dict, output_dir: str | Path, labels: Sequence[str]) -> d
         return record
 
     spacing = [round(s, 4) for s in volumes.info["spacing"]]
+    orientation = "".join(nib.aff2axcodes(volumes.affine))
+    notes = []
+    if orientation != USUAL_ORIENTATION:
+        notes.append(
+            f"stored in {orientation} orientation, not the usual {USUAL_ORIENTATION} (flipped or rotated rows/columns, "
+            "e.g. a prone or feet-first scan): kept with its true affine; training reorients it to RAS."
+        )
     voxel_ml = float(np.prod(spacing)) / 1000.0
     record.update(
         status="prepared",
@@ -194,7 +213,8 @@ def prepare_case(case: dict, output_dir: str | Path, labels: Sequence[str]) -> d
         label=f"labels/{label_path.name}",
         shape=volumes.info["shape"],
         spacing=spacing,
-        orientation="".join(nib.aff2axcodes(volumes.affine)),
+        orientation=orientation,
+        notes=notes,
         segments=volumes.segments,
         volumes_ml={name: round(float((volumes.label == i + 1).sum()) * voxel_ml, 3) for i, name in enumerate(labels)},
     )

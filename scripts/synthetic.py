@@ -45,10 +45,15 @@ def write_case(
     segments: Sequence[str] | None = None,
     gtv_name: str = "GTV-1",
     empty_gtv: bool = False,
+    flip_in_plane: bool = False,
     collection: str = "NSCLC-Radiomics",
     tumour_hu: float = HU["tumour"],
 ) -> dict:
-    """Write one case and return its truth (also saved as JSON). ``shape`` is (columns, rows, slices)."""
+    """Write one case and return its truth (also saved as JSON). ``shape`` is (columns, rows, slices).
+
+    ``flip_in_plane`` stores the slices rotated by 180 degrees (ImageOrientationPatient ``[-1, 0, 0, 0, -1, 0]``,
+    as some scanners write prone or feet-first patients): the same anatomy in the same world position.
+    """
     nx, ny, nz = (int(v) for v in shape)
     if min(nx, ny) < 32 or nz < 8:
         raise ValueError(f"shape={list(shape)}: need at least 32 x 32 x 8 voxels to draw the anatomy.")
@@ -135,10 +140,14 @@ def write_case(
         perm = rng.permutation(nz)
         name_of = {k: f"1-{perm[k] + 1:03d}.dcm" for k in range(nz)}
     slices = []
+    # the first stored pixel and the in-plane directions; flipped, column/row indices run towards -x/-y
+    corner, orientation, in_plane = (xs[0], ys[0]), [1, 0, 0, 0, 1, 0], slice(None)
+    if flip_in_plane:
+        corner, orientation, in_plane = (xs[-1], ys[-1]), [-1, 0, 0, 0, -1, 0], slice(None, None, -1)
     for k in range(nz):
-        ds = _ct_slice(stored[:, :, k].T, patient_id, study_uid, ct_uid, for_uid, uid(f"sop{k}"), ct_series_number,
-                       instance[k], [float(origin[0]), float(origin[1]), float(zs[k])], row_spacing, col_spacing,
-                       slice_spacing)  # fmt: skip
+        ds = _ct_slice(stored[in_plane, in_plane, k].T, patient_id, study_uid, ct_uid, for_uid, uid(f"sop{k}"),
+                       ct_series_number, instance[k], [float(corner[0]), float(corner[1]), float(zs[k])], orientation,
+                       row_spacing, col_spacing, slice_spacing)  # fmt: skip
         ds.save_as(image_dir / name_of[k], enforce_file_format=True)
         slices.append(ds)
 
@@ -152,7 +161,8 @@ def write_case(
         descriptions.append(segment_description(number, name))
     written = []
     if descriptions:
-        pixel = np.stack([np.stack(seg_masks, -1)[:, :, k].transpose(1, 0, 2) for k in range(nz)]).astype(np.uint8)
+        stacked = np.stack(seg_masks, -1)[in_plane, in_plane]
+        pixel = np.stack([stacked[:, :, k].transpose(1, 0, 2) for k in range(nz)]).astype(np.uint8)
         seg = hd.seg.Segmentation(
             source_images=slices,
             pixel_array=pixel,
@@ -200,6 +210,7 @@ def write_case(
         "reverse_instance_numbers": reverse_instance_numbers,
         "shuffle_file_names": shuffle_file_names,
         "empty_gtv": empty_gtv,
+        "flip_in_plane": flip_in_plane,
         "image_dir": str(image_dir),
         "seg_file": str(seg_dir / "1-1.dcm"),
     }
@@ -250,7 +261,7 @@ def _ellipsoid(x, y, z, centre, radii) -> np.ndarray:
 
 
 def _ct_slice(pixels, patient_id, study_uid, series_uid, for_uid, sop_uid, series_number, instance, position,
-              row_spacing, col_spacing, thickness) -> Dataset:  # fmt: skip
+              orientation, row_spacing, col_spacing, thickness) -> Dataset:  # fmt: skip
     meta = FileMetaDataset()
     meta.MediaStorageSOPClassUID = CTImageStorage
     meta.MediaStorageSOPInstanceUID = sop_uid
@@ -266,7 +277,7 @@ def _ct_slice(pixels, patient_id, study_uid, series_uid, for_uid, sop_uid, serie
     ds.Modality, ds.Manufacturer, ds.SeriesNumber, ds.InstanceNumber = "CT", "synthetic", series_number, instance
     ds.ImageType = ["ORIGINAL", "PRIMARY", "AXIAL"]
     ds.ImagePositionPatient = [round(v, 4) for v in position]
-    ds.ImageOrientationPatient = [1, 0, 0, 0, 1, 0]
+    ds.ImageOrientationPatient = list(orientation)
     ds.PixelSpacing = [row_spacing, col_spacing]
     ds.SliceThickness = thickness
     ds.PositionReferenceIndicator = ""

@@ -406,6 +406,25 @@ def find_referenced_sop_uids(ds: pydicom.Dataset) -> list[str]:
     return list(dict.fromkeys(_nested_values(ds, 0x00081155)))
 
 
+def download_for_training(
+    dataset_dir: str | Path,
+    collection: str = "NSCLC-Radiomics",
+    limit: int | None = None,
+    base_url: str | None = None,
+) -> DownloadSummary:
+    """``download`` as ``train.yaml``'s ``download: true`` runs it: the summary is logged, and any failed series
+    stops the run (training on a silently incomplete collection would change the split); re-running resumes."""
+    summary = download(dataset_dir, collection, limit, base_url)
+    logger.info("%s", summary.format())
+    if not summary.ok:
+        failed = ", ".join(f"{r.patient_id} ({r.reason})" for r in summary.failed)
+        raise TciaError(
+            f"{len(summary.failed)} series could not be downloaded into {dataset_dir}: {failed}. Run the same "
+            "command again (complete cases are skipped), or set download: false to train on the cases present."
+        )
+    return summary
+
+
 def download_cli(
     dataset_dir: str,
     collection: str = "NSCLC-Radiomics",

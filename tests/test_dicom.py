@@ -46,9 +46,10 @@ def assert_tumour_matches_truth(volumes, truth: dict) -> None:
         {"sparse_seg": False},
         {"reverse_instance_numbers": True},
         {"shuffle_file_names": True},
-        {"shuffle_file_names": True, "reverse_instance_numbers": True, "sparse_seg": True},
+        {"flip_in_plane": True},
+        {"shuffle_file_names": True, "reverse_instance_numbers": True, "sparse_seg": True, "flip_in_plane": True},
     ],
-    ids=["sparse", "dense", "reversed-instance-numbers", "shuffled-names", "all-at-once"],
+    ids=["sparse", "dense", "reversed-instance-numbers", "shuffled-names", "flipped-in-plane", "all-at-once"],
 )
 def test_seg_aligns_with_ct_in_world_coordinates(tmp_path, options):
     truth = write_case(tmp_path, "LUNG1-001", seed=7, shape=SHAPE, **options)

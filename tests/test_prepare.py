@@ -33,8 +33,8 @@ def messy_dataset(tmp_path_factory) -> tuple[Path, dict]:
     """Three good cases and one case for every kind of bad input the issue lists."""
     root = tmp_path_factory.mktemp("messy")
     truths = {}
-    for i, pid in enumerate(["LUNG1-001", "LUNG1-002", "LUNG1-003"]):
-        truths[pid] = write_case(root, pid, seed=300 + i, shape=SHAPE)
+    for i, pid in enumerate(["LUNG1-001", "LUNG1-002", "LUNG1-003"]):  # the third stored rotated by 180 degrees
+        truths[pid] = write_case(root, pid, seed=300 + i, shape=SHAPE, flip_in_plane=pid == "LUNG1-003")
     bad = {}
     # no seg folder
     t = write_case(root, "BAD-NOSEG", seed=1, shape=SHAPE)
@@ -92,6 +92,16 @@ def test_every_bad_case_is_reported_with_its_reason_and_the_good_ones_are_prepar
     assert report["num_prepared"] == len(info["truths"])
     saved = json.loads((out / "prepare_report.json").read_text())
     assert {r["case_id"] for r in saved["rejected"]} == set(info["bad"])
+
+
+def test_a_flipped_orientation_is_kept_and_noted(prepared):
+    """The rotated case is prepared (its world-coordinate check is in the next test) and named in the report."""
+    out, report, _ = prepared
+    saved = json.loads((out / "prepare_report.json").read_text())
+    assert [n["case_id"] for n in saved["noted"]] == ["LUNG1-003"]
+    assert "RAS orientation, not the usual LPS" in saved["noted"][0]["notes"][0]
+    orientation = {r["case_id"]: r.get("orientation") for r in report["cases"]}
+    assert orientation["LUNG1-001"] == "LPS" and orientation["LUNG1-003"] == "RAS"
 
 
 def test_nifti_label_lies_on_the_tumour_in_world_coordinates(prepared):
