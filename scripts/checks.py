@@ -9,8 +9,6 @@ from __future__ import annotations
 import fnmatch
 from collections.abc import Sequence
 
-from scripts.dicom import normalize_name
-
 #: segment labels used by the NSCLC-Radiomics SEG objects (GTV-2, GTV-3, ... exist for some patients)
 NSCLC_SEGMENTS = ("GTV-1", "GTV-2", "GTV-3", "GTV-4", "Lung-Left", "Lung-Right", "Heart", "Esophagus", "Spinal-Cord")
 
@@ -41,6 +39,7 @@ def check_config(
     collection: str = "NSCLC-Radiomics",
 ) -> bool:
     """Validate the ids that shape the whole run; returns True so it can sit in ``initialize``."""
+
     check_labels(labels, collection)
     check_roi_size(roi_size)
     if len(spacing) != 3 or any(float(s) <= 0 for s in spacing):
@@ -63,6 +62,8 @@ def check_roi_size(roi_size: Sequence[int]) -> None:
 
 def check_labels(labels: Sequence[str], collection: str = "NSCLC-Radiomics") -> None:
     """Labels must be SEG segment names; for NSCLC-Radiomics they must match a segment the collection has."""
+    from scripts.dicom import normalize_name  # imports pydicom/highdicom: only when labels are checked
+
     if isinstance(labels, str) or not labels:
         raise ConfigError(f"labels={labels!r}: give a list of SEG segment names, e.g. \"['GTV-1']\".")
     if len(set(map(normalize_name, labels))) != len(labels):

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import csv
 import gzip
 import json
+import os
 import statistics
 
 import pytest
@@ -20,9 +22,27 @@ def profiled(tmp_path_factory, root, demo_run):
     tmp = tmp_path_factory.mktemp("profiled")
     args = demo_args(tmp, max_epochs=1, dataset_dir=demo_tmp / "data", prepared_dir=demo_tmp / "prepared")
     args[args.index("--config_file") + 1] = PROFILE
-    result = bundle_run(root, *args, "--profiler_schedule", "[0,1,2,1]")
+    # a stand-in nvidia-smi on PATH: the run's GPU utilisation monitor (on by default) must find and log it
+    tools = tmp / "tools"
+    tools.mkdir()
+    fake = tools / "nvidia-smi"
+    fake.write_text("#!/bin/sh\necho '0, Fake GPU, 37, 1024, 81559'\n")
+    fake.chmod(0o755)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PATH", f"{tools}{os.pathsep}{os.environ['PATH']}")
+        result = bundle_run(root, *args, "--profiler_schedule", "[0,1,2,1]")
     assert result.returncode == 0, result.stderr[-3000:]
     return tmp / "run" / "profiler", result
+
+
+def test_gpu_utilisation_is_logged_beside_the_run(profiled):
+    folder, _ = profiled
+    with open(folder.parent / "gpu_utilisation.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert rows and {(r["gpu"], r["name"], r["util_percent"], r["mem_used_mib"]) for r in rows} == {
+        ("0", "Fake GPU", "37.0", "1024.0")
+    }
+    assert (folder.parent / "gpu_utilisation.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_trace_and_summary_are_written_per_cycle_under_the_run_folder(profiled):
