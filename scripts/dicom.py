@@ -36,6 +36,7 @@ logger = logging.getLogger(__name__)
 
 #: positions along the slice normal must agree with a uniform grid to this fraction of the slice spacing
 SLICE_TOLERANCE = 0.1
+SEG_STORAGE = "1.2.840.10008.5.1.4.1.1.66.4"  # Segmentation Storage SOP class
 #: direction cosines of two slices count as equal below this difference
 ORIENTATION_TOLERANCE = 1e-4
 # what NBIA zips carry besides the slices (TciaDataset copies them into image/): skipped, not read as DICOM
@@ -97,11 +98,14 @@ def normalize_name(name: str) -> str:
     return re.sub(r"[^0-9a-z*?]", "", name.lower())
 
 
-def scan_ct_series(image_dir: str | Path) -> tuple[list[tuple[Path, pydicom.Dataset]], np.ndarray]:
-    """The headers of a CT series folder sorted along the slice normal, and its LPS affine -- no pixel data read.
+def scan_ct_series(
+    image_dir: str | Path, with_pixels: bool = False
+) -> tuple[list[tuple[Path, pydicom.Dataset]], np.ndarray]:
+    """The headers of a CT series folder sorted along the slice normal, and its LPS affine.
 
     Checks that the folder holds exactly one series, one orientation, one in-plane geometry and evenly spaced
-    slices (a gap means a missing slice), so a bad series is rejected before any pixel is decoded.
+    slices (a gap means a missing slice), so a bad series is rejected before any pixel is decoded. Pixel data is
+    not read unless ``with_pixels`` (then each file is read once, its pixels still undecoded).
     """
     image_dir = Path(image_dir)
     files = sorted(p for p in image_dir.iterdir() if p.is_file() and not p.name.startswith("."))
@@ -112,7 +116,7 @@ def scan_ct_series(image_dir: str | Path) -> tuple[list[tuple[Path, pydicom.Data
         if path.suffix.lower() in NOT_DICOM_SUFFIXES or path.name.upper() in NOT_DICOM_NAMES:
             continue
         try:
-            ds = pydicom.dcmread(path, stop_before_pixels=True)
+            ds = pydicom.dcmread(path, stop_before_pixels=not with_pixels)
         except (InvalidDicomError, OSError, EOFError, ValueError) as err:
             raise DicomCaseError(
                 f"{path}: not a readable DICOM file ({err}); delete the case and download it again."
@@ -170,19 +174,19 @@ def read_ct_series(image_dir: str | Path) -> CtSeries:
     The checks of :func:`scan_ct_series`, then stored values converted to HU with each slice's rescale
     slope/intercept.
     """
-    headers, affine = scan_ct_series(image_dir)
+    headers, affine = scan_ct_series(image_dir, with_pixels=True)  # every file read once
     ds0 = headers[0][1]
-    hu = np.empty((int(ds0.Columns), int(ds0.Rows), len(headers)), dtype=np.int16)
-    for k, (path, _) in enumerate(headers):
+    # slices contiguous in memory: (columns, rows, slices) seen through a transpose of (slices, rows, columns), i.e.
+    # Fortran order -- what NIfTI stores, so writing it is a plain copy
+    by_slice = np.empty((len(headers), int(ds0.Rows), int(ds0.Columns)), dtype=np.int16)
+    for k, (path, ds) in enumerate(headers):
         try:
-            ds = pydicom.dcmread(path)
             stored = ds.pixel_array
         except Exception as err:  # pixel decoding raises many types (truncated data, codec errors)
             raise DicomCaseError(f"{path}: pixel data cannot be decoded ({err}); download the case again.") from err
-        slope = float(ds.get("RescaleSlope", 1.0) or 1.0)
-        intercept = float(ds.get("RescaleIntercept", 0.0) or 0.0)
-        values = np.rint(stored.astype(np.float32) * slope + intercept)
-        hu[:, :, k] = np.clip(values, -32768, 32767).astype(np.int16).T
+        by_slice[k] = to_hu(stored, ds)
+        del ds.PixelData  # the decoded slice is kept; its bytes are not needed twice
+    hu = by_slice.transpose(2, 1, 0)
 
     return CtSeries(
         hu=hu,
@@ -195,6 +199,18 @@ def read_ct_series(image_dir: str | Path) -> CtSeries:
     )
 
 
+def to_hu(stored: np.ndarray, ds: pydicom.Dataset) -> np.ndarray:
+    """Stored values to HU (int16, clipped) with the slice's rescale slope and intercept; integer arithmetic for the
+    usual slope 1 and whole-number intercept, float (rounded) otherwise."""
+    slope = float(ds.get("RescaleSlope", 1.0) or 1.0)
+    intercept = float(ds.get("RescaleIntercept", 0.0) or 0.0)
+    if slope == 1.0 and intercept.is_integer() and stored.dtype.kind in "iu":
+        values = stored.astype(np.int32) + int(intercept)
+    else:
+        values = np.rint(stored.astype(np.float32) * slope + intercept)
+    return np.clip(values, -32768, 32767).astype(np.int16)
+
+
 def read_seg_labels(seg_file: str | Path, ct: CtSeries, labels: Sequence[str]) -> tuple[np.ndarray, dict]:
     """Decode the segments of ``seg_file`` that match ``labels`` onto the grid of ``ct``.
 
@@ -202,10 +218,7 @@ def read_seg_labels(seg_file: str | Path, ct: CtSeries, labels: Sequence[str]) -
     overlap, so a tumour inside a lung stays tumour) and ``{label: [matched segment labels]}``.
     """
     seg_file = Path(seg_file)
-    try:
-        seg = hd.seg.segread(seg_file)
-    except Exception as err:  # highdicom raises ValueError/AttributeError/... for broken SEGs
-        raise DicomCaseError(f"{seg_file}: not a readable DICOM SEG ({err}); download the case again.") from err
+    seg = _read_seg(seg_file)
 
     seg_for = str(seg.get("FrameOfReferenceUID", ""))
     if ct.frame_of_reference_uid and seg_for and seg_for != ct.frame_of_reference_uid:
@@ -225,7 +238,8 @@ def read_seg_labels(seg_file: str | Path, ct: CtSeries, labels: Sequence[str]) -
             "SEGs on a different in-plane grid are not supported."
         )
 
-    by_label = _match_segments(seg, labels, seg_file)
+    segments = {int(item.SegmentNumber): str(item.get("SegmentLabel", "")) for item in seg.SegmentSequence}
+    by_label = _match_segments(segments, labels, seg_file)
     wanted: dict[int, int] = {}  # segment number -> label index; the first label that matches a segment keeps it
     for index, numbers in enumerate(by_label.values()):
         for number in numbers:
@@ -234,21 +248,19 @@ def read_seg_labels(seg_file: str | Path, ct: CtSeries, labels: Sequence[str]) -
     fractional = str(seg.SegmentationType) == "FRACTIONAL"
     max_fraction = float(seg.get("MaximumFractionalValue", 1) or 1)
 
-    label = np.zeros(ct.hu.shape, dtype=np.uint8)
+    label = np.zeros(ct.hu.shape, dtype=np.uint8, order="F")  # slices contiguous, like the CT
     # paint higher label indices first so that the first requested label wins on overlap
     frames = sorted(
         (wanted[number], frame_index, k)
         for frame_index, (number, k) in enumerate(slice_of_frame)
         if number in wanted and k is not None
     )
+    pixels = _seg_frames(seg, seg_file) if frames else None
     for index, frame_index, k in reversed(frames):
-        stored = seg.get_stored_frame(frame_index + 1)
+        stored = pixels[frame_index]
         mask = stored >= 0.5 * max_fraction if fractional else stored > 0
         label[:, :, k][mask.T] = index + 1
-    names = {
-        label_name: [seg.get_segment_description(n).segment_label for n in nums]
-        for label_name, nums in by_label.items()
-    }
+    names = {label_name: [segments[n] for n in nums] for label_name, nums in by_label.items()}
     return label, names
 
 
@@ -331,9 +343,33 @@ def _check_slice_spacing(positions: np.ndarray, files: list[Path], image_dir: Pa
     return step
 
 
-def _match_segments(seg: hd.seg.Segmentation, labels: Sequence[str], seg_file: Path) -> dict[str, list[int]]:
-    """Map each requested label to the SEG's segment numbers whose normalised label matches it."""
-    available = {int(n): str(seg.get_segment_description(int(n)).segment_label) for n in seg.segment_numbers}
+def _read_seg(seg_file: Path) -> pydicom.Dataset:
+    """The SEG's dataset, read with pydicom alone: highdicom's reader re-validates and copies every per-frame item,
+    which took ~0.5 s of a 0.8 s case preparation, for nothing this module uses."""
+    try:
+        seg = pydicom.dcmread(seg_file)
+    except Exception as err:  # pydicom raises InvalidDicomError/EOFError/ValueError/... for broken files
+        raise DicomCaseError(f"{seg_file}: not a readable DICOM SEG ({err}); download the case again.") from err
+    missing = [k for k in ("SegmentSequence", "PerFrameFunctionalGroupsSequence", "PixelData", "Rows") if k not in seg]
+    if str(seg.get("SOPClassUID", "")) != SEG_STORAGE or missing:
+        raise DicomCaseError(
+            f"{seg_file}: not a readable DICOM SEG (SOP class {seg.get('SOPClassUID', 'none')}, missing "
+            f"{missing or 'nothing'}); download the case again."
+        )
+    return seg
+
+
+def _seg_frames(seg: pydicom.Dataset, seg_file: Path) -> np.ndarray:
+    """All frames of the SEG, ``(frames, rows, columns)``: BINARY unpacked to 0/1, FRACTIONAL as stored."""
+    try:
+        pixels = seg.pixel_array
+    except Exception as err:  # truncated pixel data, unsupported compression, ...
+        raise DicomCaseError(f"{seg_file}: SEG pixel data cannot be decoded ({err}); download the case again.") from err
+    return pixels.reshape(int(seg.get("NumberOfFrames", 1) or 1), int(seg.Rows), int(seg.Columns))
+
+
+def _match_segments(available: dict[int, str], labels: Sequence[str], seg_file: Path) -> dict[str, list[int]]:
+    """Map each requested label to the SEG's segment numbers (``available``: number -> label) that match it."""
     matched: dict[str, list[int]] = {}
     for name in labels:
         pattern = normalize_name(name)
@@ -347,7 +383,7 @@ def _match_segments(seg: hd.seg.Segmentation, labels: Sequence[str], seg_file: P
     return matched
 
 
-def _frame_slices(seg: hd.seg.Segmentation, ct: CtSeries, seg_file: Path) -> list[tuple[int, int | None]]:
+def _frame_slices(seg: pydicom.Dataset, ct: CtSeries, seg_file: Path) -> list[tuple[int, int | None]]:
     """For every SEG frame, its segment number and the CT slice index it belongs on.
 
     A frame's ``SourceImageSequence`` reference decides where it is; frames without one are placed by projecting

@@ -13,7 +13,7 @@ import numpy as np
 import pydicom
 import pytest
 
-from scripts.dicom import DicomCaseError, find_seg_file, normalize_name, read_case, read_ct_series
+from scripts.dicom import DicomCaseError, find_seg_file, normalize_name, read_case, read_ct_series, to_hu
 from scripts.synthetic import tumour_contains, write_case
 
 SHAPE = (64, 64, 24)
@@ -173,3 +173,44 @@ def test_no_seg_folder(case):
     shutil.rmtree(seg_dir)
     with pytest.raises(DicomCaseError, match="no seg folder"):
         find_seg_file(seg_dir)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "slope", "intercept"),
+    [(np.uint16, 1, -1024), (np.int16, 1, 0), (np.uint16, 1, -1024.5), (np.int16, 0.5, -1000), (np.uint16, 2, -40000)],
+)
+def test_stored_values_become_hu_like_the_dicom_formula(dtype, slope, intercept):
+    """HU = round(stored * slope + intercept), clipped to int16 -- by the integer shortcut or the float path alike."""
+    stored = np.array([[0, 1, 1000], [2000, 4095, np.iinfo(dtype).max]], dtype=dtype)
+    ds = pydicom.Dataset()
+    ds.RescaleSlope, ds.RescaleIntercept = slope, intercept
+    expected = np.clip(np.rint(stored.astype(np.float64) * slope + intercept), -32768, 32767).astype(np.int16)
+    np.testing.assert_array_equal(to_hu(stored, ds), expected)
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated", "a CT slice"])
+def test_corrupt_seg_is_named(case, damage):
+    seg_file = Path(case["seg_file"])
+    data = seg_file.read_bytes()
+    if damage == "a CT slice":
+        shutil.copy(next(Path(case["image_dir"]).glob("*.dcm")), seg_file)
+    else:
+        seg_file.write_bytes(b"not a dicom file" * 10 if damage == "garbage" else data[: len(data) // 2])
+    with pytest.raises(DicomCaseError, match="download the case again") as err:
+        read(case)
+    assert seg_file.name in str(err.value)
+
+
+def test_fractional_seg_reads_like_the_binary_one(case):
+    """FRACTIONAL SEGs (8-bit probabilities) are thresholded at half the maximum value."""
+    binary = read(case).label
+    seg = pydicom.dcmread(case["seg_file"])
+    frames = seg.pixel_array.reshape(int(seg.NumberOfFrames), int(seg.Rows), int(seg.Columns))
+    seg.SegmentationType, seg.SegmentationFractionalType, seg.MaximumFractionalValue = "FRACTIONAL", "PROBABILITY", 200
+    seg.BitsAllocated, seg.BitsStored, seg.HighBit = 8, 8, 7
+    # inside: 101..200 (>= half of 200), outside: 0..99 -- a threshold in the wrong place changes the label
+    noise = np.random.default_rng(0).integers(0, 100, frames.shape)
+    seg.PixelData = np.where(frames > 0, 101 + noise, noise).astype(np.uint8).tobytes()
+    seg.save_as(case["seg_file"])
+    np.testing.assert_array_equal(read(case).label, binary)
+    assert binary.sum() > 0

@@ -107,7 +107,7 @@ def test_a_flipped_orientation_is_kept_and_noted(prepared):
 def test_nifti_label_lies_on_the_tumour_in_world_coordinates(prepared):
     out, _, info = prepared
     for pid, truth in info["truths"].items():
-        image = nib.load(out / "images" / f"{pid}.nii.gz")
+        image = nib.load(out / "images" / f"{pid}.nii")
         label = nib.load(out / "labels" / f"{pid}.nii.gz")
         assert image.get_data_dtype() == np.int16 and label.get_data_dtype() == np.uint8
         np.testing.assert_allclose(image.affine, label.affine)
@@ -153,11 +153,25 @@ def test_patients_with_several_series_stay_in_one_list():
 def test_second_run_skips_up_to_date_cases_and_rewrites_nothing(prepared, messy_dataset):
     out, _, info = prepared
     root, _ = messy_dataset
-    before = {p: p.stat().st_mtime_ns for p in (out / "images").glob("*.nii.gz")}
+    before = {p: p.stat().st_mtime_ns for p in (out / "images").glob("*.nii")}
+    assert len(before) == len(info["truths"])
     report = prepare(root, out, labels=["GTV-1"], num_workers=1, progress=False)
     assert report["num_prepared"] == 0 and report["num_up_to_date"] == len(info["truths"])
-    assert {p: p.stat().st_mtime_ns for p in (out / "images").glob("*.nii.gz")} == before
+    assert {p: p.stat().st_mtime_ns for p in (out / "images").glob("*.nii")} == before
     assert not list(out.rglob(".*tmp*")), "no temporary files are left behind"
+
+
+def test_compressed_images_hold_the_same_voxels_and_replace_the_plain_ones(small_cases, tmp_path):
+    root, _ = small_cases
+    prepare(root, tmp_path, num_workers=1, progress=False)
+    plain = {p.name[: -len(".nii")]: np.asarray(nib.load(p).dataobj) for p in (tmp_path / "images").glob("*.nii")}
+    report = prepare(root, tmp_path, num_workers=1, progress=False, compress_images="true")
+    assert report["num_prepared"] == len(plain) > 0, "a change of format re-prepares every case"
+    assert not list((tmp_path / "images").glob("*.nii")), "the uncompressed files are removed"
+    datalist = json.loads((tmp_path / "datalist.json").read_text())
+    for entry in datalist["training"] + datalist["validation"] + datalist["test"]:
+        assert entry["image"].endswith(".nii.gz")
+        np.testing.assert_array_equal(np.asarray(nib.load(tmp_path / entry["image"]).dataobj), plain[entry["case_id"]])
 
 
 def test_unknown_label_fails_with_the_segments_that_exist(small_cases, tmp_path):
