@@ -1,0 +1,119 @@
+"""The compact training cache: what CompactForCropd keeps is smaller and the crops drawn from it are MONAI's crops."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import numpy as np
+import pytest
+import torch
+from monai.bundle import ConfigParser
+from monai.transforms import Compose, RandCropByPosNegLabeld
+
+from scripts.data import CompactForCropd
+from scripts.prepare import prepare
+
+ROI = [32, 32, 16]
+
+
+@pytest.fixture(scope="module")
+def train_config(small_cases, tmp_path_factory, root) -> ConfigParser:
+    """train.yaml on the small synthetic cases, prepared once, with a patch size that fits them."""
+    dicom_dir, _ = small_cases
+    prepared = tmp_path_factory.mktemp("prepared_for_cache")
+    prepare(dicom_dir, prepared, progress=False, num_workers=1)
+    parser = ConfigParser()
+    parser.read_config(str(root / "configs" / "train.yaml"))
+    parser.update({"prepared_dir": str(prepared), "roi_size": ROI, "num_samples": 8, "cache": "memory"})
+    return parser
+
+
+def first_case(parser: ConfigParser) -> dict:
+    """One training case after the deterministic transforms (what would be cached without the compact step)."""
+    case = parser.get_parsed_content("train#data")[0]
+    return Compose(parser.get_parsed_content("train#deterministic_transforms"))(case)
+
+
+def test_cached_case_is_compact_and_keeps_every_tumour_voxel(train_config):
+    full = first_case(train_config)
+    compact = Compose(train_config.get_parsed_content("train#compact_transforms"))(copy.deepcopy(full))
+
+    assert compact["image"].dtype == torch.float16 and compact["label"].dtype == torch.uint8
+    assert float((compact["image"].float() - full["image"]).abs().max()) < 1e-3  # < 1.5 HU of the [-1000, 500] window
+    assert torch.equal(compact["label"].long(), full["label"].long())
+    assert compact["image"].affine.tolist() == full["image"].affine.tolist(), "geometry travels with the cached image"
+
+    label = full["label"][0].numpy()
+    np.testing.assert_array_equal(compact["fg_indices"], np.flatnonzero(label > 0))
+    body_background = np.flatnonzero((label == 0) & (full["image"][0].numpy() > 0))
+    assert len(compact["bg_indices"]) == len(body_background) > 0
+    assert compact["fg_indices"].dtype == np.int32 and compact["bg_indices"].dtype == np.int32
+
+    voxels = full["image"].numel()
+    volumes = sum(compact[k].numel() * compact[k].element_size() for k in ("image", "label"))
+    assert volumes == 3 * voxels, "2 bytes of image + 1 of label per voxel, instead of 4 + 4 as float32"
+    indices = compact["fg_indices"].nbytes + compact["bg_indices"].nbytes
+    assert indices <= 4 * 2 * 100_000, "at most max_indices of each kind, 4 bytes each, whatever the volume size"
+
+
+def test_large_index_sets_are_a_fixed_random_subset(train_config):
+    full = first_case(train_config)
+    subset = CompactForCropd(max_indices=500)
+    a, b = subset(copy.deepcopy(full)), subset(copy.deepcopy(full))
+    body_background = np.flatnonzero((full["label"][0].numpy() == 0) & (full["image"][0].numpy() > 0))
+    assert len(a["bg_indices"]) == 500 and np.isin(a["bg_indices"], body_background).all()
+    assert len(np.unique(a["bg_indices"])) == 500, "drawn without replacement"
+    np.testing.assert_array_equal(a["bg_indices"], b["bg_indices"])  # same cache content in every run
+    spread = np.unravel_index(a["bg_indices"], full["label"].shape[1:])[2]
+    assert spread.min() < full["label"].shape[3] * 0.25 and spread.max() > full["label"].shape[3] * 0.75
+
+
+def test_crops_from_the_cache_equal_monai_searching_the_volume(train_config):
+    """Same random state, same patches: the precomputed indices change the speed, not the sampling."""
+    full = first_case(train_config)
+    cached = Compose(train_config.get_parsed_content("train#compact_transforms"))(copy.deepcopy(full))
+    ours = train_config.get_parsed_content("train#random_transforms")[0]
+    assert isinstance(ours, RandCropByPosNegLabeld)
+    monai_search = RandCropByPosNegLabeld(
+        keys=["image", "label"], label_key="label", spatial_size=ROI, pos=1, neg=1, num_samples=8,
+        image_key="image", image_threshold=0,
+    )  # fmt: skip
+    ours.set_random_state(seed=7)
+    monai_search.set_random_state(seed=7)
+    patches, expected = ours(cached), monai_search(copy.deepcopy(full))
+    assert len(patches) == len(expected) == 8
+    for patch, reference in zip(patches, expected, strict=True):
+        assert "fg_indices" not in patch and "bg_indices" not in patch, "the indices must not reach collate"
+        assert torch.equal(patch["label"].long(), reference["label"].long())
+        assert float((patch["image"].float() - reference["image"]).abs().max()) < 1e-3
+    assert sum(bool(p["label"].any()) for p in patches) >= 3, "pos_fraction 0.5 should give tumour patches"
+
+
+def test_training_patches_are_float32_of_the_patch_size(train_config):
+    case = train_config.get_parsed_content("train#data")[0]
+    patches = train_config.get_parsed_content("train#preprocessing")(case)
+    for patch in patches:
+        assert patch["image"].dtype == torch.float32 and patch["label"].dtype == torch.float32
+        assert list(patch["image"].shape) == [1, *ROI] and list(patch["label"].shape) == [1, *ROI]
+    datalist = json.loads(json.dumps(train_config.get_parsed_content("validate#data")))
+    validation = train_config.get_parsed_content("validate#preprocessing")(datalist[0])
+    assert validation["image"].dtype == torch.float32, "validation and inference keep the full-precision volume"
+    assert "fg_indices" not in validation
+
+
+def test_drawing_patches_leaves_the_cached_cases_untouched(train_config):
+    """train.yaml caches without MONAI's per-draw deep copy: no random transform may write into a cached case."""
+    dataset = train_config.get_parsed_content("train#dataset")
+    assert dataset.copy_cache is False
+    before = [{k: copy.deepcopy(c[k]) for k in ("image", "label", "fg_indices", "bg_indices")} for c in dataset._cache]
+    operations = [len(c["image"].applied_operations) for c in dataset._cache]
+    for _ in range(3):
+        for index in range(len(dataset)):
+            for patch in dataset[index]:
+                patch["image"] += 1.0  # what an in-place augmentation would do
+    for cached, saved, count in zip(dataset._cache, before, operations, strict=True):
+        assert torch.equal(cached["image"], saved["image"]) and torch.equal(cached["label"], saved["label"])
+        np.testing.assert_array_equal(cached["fg_indices"], saved["fg_indices"])
+        np.testing.assert_array_equal(cached["bg_indices"], saved["bg_indices"])
+        assert len(cached["image"].applied_operations) == count, "no transform history piles up on the cache"
