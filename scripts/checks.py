@@ -39,7 +39,6 @@ def check_config(
     collection: str = "NSCLC-Radiomics",
 ) -> bool:
     """Validate the ids that shape the whole run; returns True so it can sit in ``initialize``."""
-
     check_labels(labels, collection)
     check_roi_size(roi_size)
     if len(spacing) != 3 or any(float(s) <= 0 for s in spacing):

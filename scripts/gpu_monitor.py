@@ -203,12 +203,6 @@ def detect(backend: str | None = None) -> Backend | None:
     return None
 
 
-def _rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
 class GpuMonitor:
     """Sample GPU utilisation and memory every ``interval_s`` seconds in a daemon thread (see the module docstring).
 
@@ -248,8 +242,13 @@ class GpuMonitor:
         return self._thread is not None
 
     def _active(self) -> bool:
-        if not self.enabled or (self.rank0_only and _rank() != 0):
+        if not self.enabled:
             return False
+        if self.rank0_only:
+            from scripts.distributed import is_rank0  # imports torch: not needed by the watch CLI (all ranks)
+
+            if not is_rank0():
+                return False
         if not self._detected:
             self._detected = True
             self.backend = detect(self.backend_name)

@@ -250,7 +250,9 @@ def test_enabled_string_true_plot_false_and_idempotent_start_stop(tools, tmp_pat
 
 def test_only_rank0_samples(tools, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     cat(tools, "nvidia-smi", NVIDIA_A, tmp_path)
-    monkeypatch.setattr(gpu_monitor, "_rank", lambda: 1)
+    import scripts.distributed
+
+    monkeypatch.setattr(scripts.distributed, "rank", lambda: 1)
     with GpuMonitor(tmp_path / "rank1", interval_s=0.05) as monitor:
         assert not monitor.running
     assert not (tmp_path / "rank1").exists()
