@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from scripts.checks import ConfigError, as_bool
+from scripts.config import ConfigError, as_bool
 from scripts.files import write_json
 
 logger = logging.getLogger(__name__)

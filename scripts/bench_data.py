@@ -54,7 +54,7 @@ def main(
     json_out: str | None = None,
 ) -> dict[str, Any]:
     """Write the cases, time prepare against a bare read, run the three approaches, print a table."""
-    from scripts.checks import as_bool
+    from scripts.config import as_bool
 
     folder = Path(output_dir) if output_dir else Path(tempfile.mkdtemp(prefix="bench_data_"))
     dicom_dir, prepared_dir = folder / "dicom", folder / "prepared"

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from ignite.engine import Engine, Events
 
-from scripts.checks import as_bool
+from scripts.config import as_bool
 from scripts.distributed import is_rank0
 from scripts.files import replace_atomically, write_json
 

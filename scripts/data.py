@@ -24,7 +24,7 @@ from monai.data import CacheDataset, DataLoader, Dataset, MetaTensor, Persistent
 from monai.engines import default_prepare_batch
 from monai.transforms import MapTransform
 
-from scripts.checks import ConfigError, as_bool
+from scripts.config import ConfigError, as_bool
 
 CACHE_MODES = ("none", "memory", "disk", "gpu")
 

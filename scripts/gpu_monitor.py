@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from scripts.checks import as_bool
+from scripts.config import as_bool
 
 logger = logging.getLogger(__name__)
 

@@ -40,7 +40,7 @@ import nibabel as nib
 import numpy as np
 from tqdm import tqdm
 
-from scripts.checks import as_bool
+from scripts.config import as_bool
 from scripts.dicom import DicomCaseError, find_seg_file, read_case
 from scripts.files import save_nifti, write_json
 

@@ -13,7 +13,7 @@ import torch
 
 from scripts import accelerator
 from scripts.accelerator import backend, configure
-from scripts.checks import ConfigError
+from scripts.config import ConfigError
 
 GPU_ENV_PREFIXES = ("MIOPEN_", "PYTORCH_TUNABLEOP_")
 GIB = 2**30

@@ -8,7 +8,7 @@ import pytest
 from conftest import DEMO, bundle_run, demo_args
 from monai.data import CacheDataset, DataLoader, Dataset, PersistentDataset, ThreadDataLoader
 
-from scripts.checks import ConfigError
+from scripts.config import ConfigError
 from scripts.data import make_dataset, make_loader
 
 DATA = [{"x": i} for i in range(4)]

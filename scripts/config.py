@@ -1,16 +1,16 @@
-"""Fail-fast checks of the training configuration, run by ``initialize`` before any data is touched.
+"""Config values as the bundle reads them: flags from the command line, and fail-fast checks of the whole run.
 
-A wrong value should cost seconds, not the hour it takes to cache 422 CT volumes: each check raises
-:class:`ConfigError` with the id to change and a value that works.
+* :func:`as_bool` -- ``--resume true`` reaches a config as the *string* "true"; every on/off value is read through it.
+* :func:`check_config` -- run by ``initialize`` before any data is touched: a wrong value should cost seconds, not the
+  hour it takes to cache 422 CT volumes. Each check raises :class:`ConfigError` with the id to change and a value that
+  works.
 """
 
 from __future__ import annotations
 
-import fnmatch
 from collections.abc import Sequence
 
-#: segment labels used by the NSCLC-Radiomics SEG objects (GTV-2, GTV-3, ... exist for some patients)
-NSCLC_SEGMENTS = ("GTV-1", "GTV-2", "GTV-3", "GTV-4", "Lung-Left", "Lung-Right", "Heart", "Esophagus", "Spinal-Cord")
+from scripts.labels import COLLECTION, LabelError, check_labels
 
 
 class ConfigError(ValueError):
@@ -36,10 +36,13 @@ def check_config(
     roi_size: Sequence[int],
     spacing: Sequence[float],
     hu_window: Sequence[float],
-    collection: str = "NSCLC-Radiomics",
+    collection: str = COLLECTION,
 ) -> bool:
     """Validate the ids that shape the whole run; returns True so it can sit in ``initialize``."""
-    check_labels(labels, collection)
+    try:
+        check_labels(labels, collection)
+    except LabelError as err:
+        raise ConfigError(str(err)) from None
     check_roi_size(roi_size)
     if len(spacing) != 3 or any(float(s) <= 0 for s in spacing):
         raise ConfigError(f"spacing={list(spacing)}: give three positive voxel sizes in mm, e.g. [1.0, 1.0, 3.0].")
@@ -57,23 +60,3 @@ def check_roi_size(roi_size: Sequence[int]) -> None:
             f"roi_size={roi}: each side must be a multiple of 32 and at least 64 (SwinUNETR downsamples by 32; at 32 "
             f'the bottleneck is a single voxel and instance norm fails). Try --roi_size "{fixed}".'
         )
-
-
-def check_labels(labels: Sequence[str], collection: str = "NSCLC-Radiomics") -> None:
-    """Labels must be SEG segment names; for NSCLC-Radiomics they must match a segment the collection has."""
-    from scripts.dicom import normalize_name  # imports pydicom/highdicom: only when labels are checked
-
-    if isinstance(labels, str) or not labels:
-        raise ConfigError(f"labels={labels!r}: give a list of SEG segment names, e.g. \"['GTV-1']\".")
-    if len(set(map(normalize_name, labels))) != len(labels):
-        raise ConfigError(f"labels={list(labels)}: a structure is listed twice.")
-    if collection != "NSCLC-Radiomics":
-        return
-    known = [normalize_name(s) for s in NSCLC_SEGMENTS]
-    for name in labels:
-        pattern = normalize_name(name)
-        if not any(fnmatch.fnmatchcase(k, pattern) for k in known):
-            raise ConfigError(
-                f"labels: {name!r} is not a segment of NSCLC-Radiomics; use names from {list(NSCLC_SEGMENTS)} "
-                "(case, spaces and dashes are ignored; 'GTV*' merges all GTVs)."
-            )

@@ -1,0 +1,39 @@
+"""The bundle's command-line entry points: each CLI *is* an API function, wrapped, never a copy of its signature.
+
+:func:`command` gives ``fire`` the function itself (its parameters and docstring are the CLI's ``--help``), with the
+little a terminal needs around it: log lines on stdout, a progress bar that does not tear them, errors a user can act
+on printed without a traceback, and an exit status.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from tqdm.contrib.logging import logging_redirect_tqdm
+
+
+def command(
+    function: Callable[..., Any],
+    report: Callable[[Any], int | None],
+    errors: tuple[type[BaseException], ...] = (ValueError,),
+    name: str = "",
+) -> Callable[..., None]:
+    """``function`` as a CLI: ``report(result)`` prints the outcome and returns the exit status (None or 0: success);
+    ``errors`` are printed as ``<name>: <message>`` and exit with status 1."""
+
+    @functools.wraps(function)
+    def cli(*args: Any, **kwargs: Any) -> None:
+        logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+        try:
+            with logging_redirect_tqdm():
+                result = function(*args, **kwargs)
+        except errors as err:
+            raise SystemExit(f"{name or function.__name__}: {err}") from None
+        status = report(result)
+        if status:
+            raise SystemExit(status)
+
+    return cli

@@ -1,0 +1,30 @@
+"""Reading the collection's DICOM into volumes on the CT's own voxel grid.
+
+* :mod:`~scripts.dicom.ct` -- a CT series folder -> HU volume + LPS affine (checked before any pixel is decoded);
+* :mod:`~scripts.dicom.seg` -- a DICOM SEG -> label volume on that CT's grid (sparse SEGs, tolerant names);
+* :mod:`~scripts.dicom.case` -- both together, as ``scripts.prepare`` writes them;
+* :mod:`~scripts.dicom.codes` -- how structures are coded when the bundle writes DICOM.
+
+Problems raise :class:`DicomCaseError` with a message that names the file and says what to do.
+"""
+
+from scripts.dicom.case import CaseVolumes, read_case
+from scripts.dicom.codes import segment_description
+from scripts.dicom.common import LPS_TO_RAS, SEG_STORAGE, DicomCaseError
+from scripts.dicom.ct import CtSeries, read_ct_series, scan_ct_series, to_hu
+from scripts.dicom.seg import find_seg_file, read_seg_labels
+
+__all__ = [
+    "LPS_TO_RAS",
+    "SEG_STORAGE",
+    "CaseVolumes",
+    "CtSeries",
+    "DicomCaseError",
+    "find_seg_file",
+    "read_case",
+    "read_ct_series",
+    "read_seg_labels",
+    "scan_ct_series",
+    "segment_description",
+    "to_hu",
+]
