@@ -84,23 +84,8 @@ def configure(
     output_dir = Path(output_dir).absolute()
     rank = int(os.environ.get("RANK", 0) if rank in (None, "") else rank)
 
-    if kind == "rocm":
-        settings = _configure_rocm(
-            output_dir,
-            find_mode=miopen_find_mode,
-            find_enforce=miopen_find_enforce,
-            cache=as_bool(miopen_cache, "miopen_cache"),
-            tunableop=as_bool(tunableop, "tunableop"),
-            benchmark=as_bool(cudnn_benchmark, "cudnn_benchmark"),
-        )
-    elif kind == "cuda":
-        settings = _configure_cuda(as_bool(cudnn_benchmark, "cudnn_benchmark"), as_bool(tf32, "tf32"))
-    elif kind == "cpu":
-        settings = _configure_cpu(cpu_threads)
-    else:
-        logger.info("device type %r: used as given, no backend settings applied", kind)
-        settings = {}
-
+    settings = _apply(kind, output_dir, miopen_find_mode, miopen_find_enforce, miopen_cache, tunableop,
+                      cudnn_benchmark, tf32, cpu_threads)  # fmt: skip
     info = device_report(device, settings, rank=rank)
     (logger.info if rank == 0 else logger.debug)("device report:\n%s", _as_lines(info))
     if as_bool(report, "report") and rank == 0:
@@ -108,6 +93,26 @@ def configure(
         write_json(path, info, default=str)
         logger.info("device report written to %s", path)
     return info
+
+
+def _apply(kind: str, output_dir: Path, find_mode, find_enforce, miopen_cache, tunableop, cudnn_benchmark, tf32,
+           cpu_threads) -> dict[str, Any]:  # fmt: skip
+    """The settings of ``kind``'s backend, applied; what is in force and where each value came from."""
+    if kind == "rocm":
+        return _configure_rocm(
+            output_dir,
+            find_mode=find_mode,
+            find_enforce=find_enforce,
+            cache=as_bool(miopen_cache, "miopen_cache"),
+            tunableop=as_bool(tunableop, "tunableop"),
+            benchmark=as_bool(cudnn_benchmark, "cudnn_benchmark"),
+        )
+    if kind == "cuda":
+        return _configure_cuda(as_bool(cudnn_benchmark, "cudnn_benchmark"), as_bool(tf32, "tf32"))
+    if kind == "cpu":
+        return _configure_cpu(cpu_threads)
+    logger.info("device type %r: used as given, no backend settings applied", kind)
+    return {}
 
 
 def device_report(device: torch.device | str, settings: dict[str, Any] | None = None, rank: int = 0) -> dict[str, Any]:

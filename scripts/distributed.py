@@ -78,6 +78,11 @@ def is_rank0() -> bool:
     return rank() == 0
 
 
+def for_this_rank(handlers: Sequence, rank0_only: tuple[type, ...]) -> list:
+    """``handlers`` without those of the ``rank0_only`` types on ranks other than 0 (logs and TensorBoard once)."""
+    return list(handlers) if is_rank0() else [h for h in handlers if not isinstance(h, rank0_only)]
+
+
 def barrier() -> None:
     """Wait for every rank (e.g. until rank 0 has prepared the data); nothing to wait for in one process."""
     if world_size() > 1:

@@ -17,6 +17,9 @@ import numpy as np
 from ignite.engine import Engine, Events
 from scipy import ndimage
 
+from scripts.batches import merged_items
+from scripts.distributed import is_rank0
+
 logger = logging.getLogger(__name__)
 
 TRUTH_RGB = (40, 220, 40)
@@ -110,8 +113,6 @@ class ValidationPicture:
     """
 
     def __init__(self, log_dir: str, image_key: str = "image", label_key: str = "label", enabled: bool | None = None):
-        from scripts.distributed import is_rank0
-
         self.log_dir, self.image_key, self.label_key = log_dir, image_key, label_key
         self.enabled = is_rank0() if enabled is None else enabled  # None: rank 0 of a DDP run only
         self._writer = None
@@ -122,8 +123,6 @@ class ValidationPicture:
     def __call__(self, engine: Engine) -> None:
         if not self.enabled:
             return
-        from scripts.metrics import merged_items
-
         item = merged_items(engine)[0]
         image, label, pred = (item[k] for k in (self.image_key, self.label_key, "pred"))
         # the training grid is RAS (Orientationd); GPU-cached data carries no metadata, so fall back to that

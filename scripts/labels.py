@@ -36,9 +36,10 @@ def matching(label: str, names: Iterable[str]) -> list[str]:
     return [name for name in names if fnmatch.fnmatchcase(normalize_name(name), pattern)]
 
 
-def check_labels(labels: Sequence[str] | str, collection: str = COLLECTION) -> list[str]:
+def check_labels(labels: Sequence[str] | str, collection: str | None = COLLECTION) -> list[str]:
     """``labels`` as a list of names, or :class:`LabelError`: at least one, none blank, none twice, at most
-    :data:`MAX_LABELS`; for NSCLC-Radiomics each must match one of the collection's structures."""
+    :data:`MAX_LABELS`; for NSCLC-Radiomics each must match one of the collection's structures (``collection=None``:
+    names are not checked against any collection)."""
     if isinstance(labels, str):
         labels = [labels]
     labels = [str(x) for x in labels or []]

@@ -43,6 +43,8 @@ from tqdm import tqdm
 from scripts.config import as_bool
 from scripts.dicom import DicomCaseError, find_seg_file, read_case
 from scripts.files import save_nifti, write_json
+from scripts.geometry import voxel_volume_ml
+from scripts.labels import COLLECTION, check_labels
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +61,7 @@ def prepare(
     dataset_dir: str | Path,
     output_dir: str | Path,
     labels: Sequence[str] = ("GTV-1",),
-    collection: str = "NSCLC-Radiomics",
+    collection: str = COLLECTION,
     val_fraction: float = 0.2,
     test_fraction: float = 0.1,
     num_folds: int = 5,
@@ -70,22 +72,59 @@ def prepare(
 ) -> dict:
     """Convert every case under ``dataset_dir/collection`` and write the datalist and the report.
 
-    ``compress_images``: write ``images/<case>.nii.gz`` instead of ``.nii`` (see the module docstring).
+    Args:
+        dataset_dir: the folder holding ``<collection>/<PatientID>/<SeriesNumber>/{image,seg}/``.
+        output_dir: where ``images/``, ``labels/``, ``datalist.json`` and ``prepare_report.json`` go.
+        labels: structures to prepare, SEG segment names or patterns; label ``i + 1`` is ``labels[i]``.
+        collection: the collection's folder name under ``dataset_dir``.
+        val_fraction, test_fraction: shares of the patients held out for validation and test.
+        num_folds: folds of the training patients (``fold`` in the datalist).
+        seed: seed of the patient split (a hash order; change it only to draw another split).
+        num_workers: cases converted in parallel (default: one per CPU).
+        progress: show a progress bar.
+        compress_images: write ``images/<case>.nii.gz`` instead of ``.nii`` (see the module docstring).
+
     Returns the report (also saved as ``prepare_report.json``). Raises :class:`PrepareError` when no case could
     be prepared, with the most common reasons, so that a wrong ``labels`` value fails at once.
     """
-    labels = _check_labels(labels)
+    labels = check_labels(labels, collection=None)
     compress_images = as_bool(compress_images, "compress_images")
     if not 0 <= val_fraction < 1 or not 0 <= test_fraction < 1 or val_fraction + test_fraction >= 1:
         raise ValueError(f"val_fraction={val_fraction} and test_fraction={test_fraction} must leave training cases.")
     output_dir = Path(output_dir)
     cases = find_cases(dataset_dir, collection)
-    previous = _load_json(output_dir / REPORT) or {}
-    same_labels = previous.get("labels") == labels
-    old_records = {r["case_id"]: r for r in previous.get("cases", []) if same_labels}
-
+    records, todo = _reuse_up_to_date(cases, output_dir, labels, compress_images)
     for sub in ("images", "labels"):
         (output_dir / sub).mkdir(parents=True, exist_ok=True)
+    for record in _convert(todo, output_dir, labels, compress_images, num_workers, progress):
+        records[record["case_id"]] = record
+
+    ordered = [records[c["case_id"]] for c in cases]
+    good = [r for r in ordered if r["status"] != "rejected"]
+    _log_outcomes(ordered)
+    if not good:
+        reasons = sorted({r["reason"] for r in ordered})[:5]
+        raise PrepareError(
+            f"none of the {len(cases)} cases under {Path(dataset_dir) / collection} could be prepared for labels "
+            f"{labels}. Reasons include:\n  " + "\n  ".join(reasons)
+        )
+    datalist = split_cases(good, val_fraction, test_fraction, num_folds, seed)
+    datalist.update({"labels": labels, "collection": collection})
+    report = _report(dataset_dir, collection, labels, ordered)
+    write_json(output_dir / DATALIST, datalist)
+    write_json(output_dir / REPORT, report)
+    logger.info("prepared %d, up to date %d, rejected %d -> %s", report["num_prepared"], report["num_up_to_date"],
+                report["num_rejected"], output_dir)  # fmt: skip
+    return report
+
+
+def _reuse_up_to_date(
+    cases: list[dict], output_dir: Path, labels: list[str], compress_images: bool
+) -> tuple[dict[str, dict], list[dict]]:
+    """Records of the cases a previous run prepared for the same labels and whose outputs are up to date, and the
+    cases still to convert."""
+    previous = _load_json(output_dir / REPORT) or {}
+    old_records = {r["case_id"]: r for r in previous.get("cases", [])} if previous.get("labels") == labels else {}
     records: dict[str, dict] = {}
     todo = []
     for case in cases:
@@ -94,65 +133,56 @@ def prepare(
             records[case["case_id"]] = {**old, "status": "up_to_date"}
         else:
             todo.append(case)
+    return records, todo
 
+
+def _convert(
+    todo: list[dict], output_dir: Path, labels: list[str], compress: bool, num_workers: int | None, progress: bool
+) -> list[dict]:
+    """:func:`prepare_case` for every case of ``todo``, in worker processes when there are several."""
     workers = min(num_workers if num_workers is not None else (os.cpu_count() or 1), max(len(todo), 1))
-    bar = tqdm(total=len(todo), desc="prepare", unit="case", disable=not progress or not todo)
-    if workers <= 1:
-        for case in todo:
-            records[case["case_id"]] = prepare_case(case, output_dir, labels, compress_images)
-            bar.update()
-    else:
+    records = []
+    with tqdm(total=len(todo), desc="prepare", unit="case", disable=not progress or not todo) as bar:
+        if workers <= 1:
+            for case in todo:
+                records.append(prepare_case(case, output_dir, labels, compress))
+                bar.update()
+            return records
         # spawn, not fork: the parent may hold torch/OpenMP threads that a forked child would inherit broken
         with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-            futures = [pool.submit(prepare_case, case, output_dir, labels, compress_images) for case in todo]
+            futures = [pool.submit(prepare_case, case, output_dir, labels, compress) for case in todo]
             for future in as_completed(futures):
-                record = future.result()
-                records[record["case_id"]] = record
+                records.append(future.result())
                 bar.update()
-    bar.close()
+    return records
 
-    ordered = [records[c["case_id"]] for c in cases]
-    good = [r for r in ordered if r["status"] != "rejected"]
-    rejected = [r for r in ordered if r["status"] == "rejected"]
-    for record in rejected:
-        logger.warning("rejected %s: %s", record["case_id"], record["reason"])
-    for record in good:
+
+def _log_outcomes(records: list[dict]) -> None:
+    for record in records:
+        if record["status"] == "rejected":
+            logger.warning("rejected %s: %s", record["case_id"], record["reason"])
         for note in record.get("notes", []):
             logger.info("note %s: %s", record["case_id"], note)
-    if not good:
-        reasons = sorted({r["reason"] for r in rejected})[:5]
-        raise PrepareError(
-            f"none of the {len(cases)} cases under {Path(dataset_dir) / collection} could be prepared for labels "
-            f"{labels}. Reasons include:\n  " + "\n  ".join(reasons)
-        )
 
-    datalist = split_cases(good, val_fraction, test_fraction, num_folds, seed)
-    datalist.update({"labels": labels, "collection": collection})
-    report = {
+
+def _report(dataset_dir: str | Path, collection: str, labels: list[str], records: list[dict]) -> dict:
+    good = [r for r in records if r["status"] != "rejected"]
+    rejected = [r for r in records if r["status"] == "rejected"]
+    return {
         "dataset_dir": str(Path(dataset_dir).resolve()),
         "collection": collection,
         "labels": labels,
-        "num_cases": len(cases),
-        "num_prepared": sum(r["status"] == "prepared" for r in ordered),
-        "num_up_to_date": sum(r["status"] == "up_to_date" for r in ordered),
+        "num_cases": len(records),
+        "num_prepared": sum(r["status"] == "prepared" for r in records),
+        "num_up_to_date": sum(r["status"] == "up_to_date" for r in records),
         "num_rejected": len(rejected),
         "rejected": [{k: r[k] for k in ("case_id", "path", "reason")} for r in rejected],
         "noted": [{"case_id": r["case_id"], "notes": r["notes"]} for r in good if r.get("notes")],
-        "cases": ordered,
+        "cases": records,
     }
-    write_json(output_dir / DATALIST, datalist)
-    write_json(output_dir / REPORT, report)
-    logger.info(
-        "prepared %d, up to date %d, rejected %d -> %s",
-        report["num_prepared"],
-        report["num_up_to_date"],
-        len(rejected),
-        output_dir,
-    )
-    return report
 
 
-def find_cases(dataset_dir: str | Path, collection: str = "NSCLC-Radiomics") -> list[dict]:
+def find_cases(dataset_dir: str | Path, collection: str = COLLECTION) -> list[dict]:
     """List the case folders ``<collection>/<PatientID>/<SeriesNumber>`` in sorted order.
 
     The case id is the patient id, or ``<PatientID>_<SeriesNumber>`` when a patient has several series folders.
@@ -212,7 +242,7 @@ def prepare_case(case: dict, output_dir: str | Path, labels: Sequence[str], comp
             f"stored in {orientation} orientation, not the usual {USUAL_ORIENTATION} (flipped or rotated rows/columns, "
             "e.g. a prone or feet-first scan): kept with its true affine; training reorients it to RAS."
         )
-    voxel_ml = float(np.prod(spacing)) / 1000.0
+    voxel_ml = voxel_volume_ml(volumes.affine)
     record.update(
         status="prepared",
         image=f"images/{image_path.name}",
@@ -255,17 +285,6 @@ def split_cases(records: Sequence[dict], val_fraction: float, test_fraction: flo
     return datalist
 
 
-def _check_labels(labels: Sequence[str] | str) -> list[str]:
-    if isinstance(labels, str):
-        labels = [labels]
-    labels = [str(x) for x in labels]
-    if not labels or any(not x.strip() for x in labels):
-        raise ValueError(f"labels={labels!r}: give one or more SEG segment names, e.g. ['GTV-1'].")
-    if len(labels) > 254:
-        raise ValueError("labels: at most 254 structures fit in a uint8 label map.")
-    return labels
-
-
 def _outputs(case: dict, output_dir: Path, compress_images: bool) -> tuple[Path, Path]:
     image = output_dir / "images" / f"{case['case_id']}.nii{'.gz' if compress_images else ''}"
     return image, output_dir / "labels" / f"{case['case_id']}.nii.gz"
@@ -286,43 +305,16 @@ def _load_json(path: Path) -> dict | None:
         return None
 
 
-def main(
-    dataset_dir: str,
-    output_dir: str,
-    labels: Sequence[str] = ("GTV-1",),
-    collection: str = "NSCLC-Radiomics",
-    val_fraction: float = 0.2,
-    test_fraction: float = 0.1,
-    num_folds: int = 5,
-    seed: int = 0,
-    num_workers: int | None = None,
-    compress_images: bool = False,
-) -> None:
-    """CLI: ``python -m scripts.prepare --dataset_dir DIR --output_dir OUT [--labels "['GTV-1']"] [--compress_images
-    true]``."""
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    try:
-        report = prepare(
-            dataset_dir,
-            output_dir,
-            labels,
-            collection,
-            val_fraction,
-            test_fraction,
-            num_folds,
-            seed,
-            num_workers,
-            compress_images=compress_images,
-        )
-    except (PrepareError, ValueError) as err:
-        raise SystemExit(f"prepare: {err}") from None
+def _print_report(report: dict) -> None:
     print(
         f"{report['num_prepared']} prepared, {report['num_up_to_date']} up to date, {report['num_rejected']} "
-        f"rejected (see {Path(output_dir) / REPORT})"
+        f"rejected (see {REPORT} in the output folder)"
     )
 
 
 if __name__ == "__main__":
     import fire
 
-    fire.Fire(main)
+    from scripts.cli import command
+
+    fire.Fire(command(prepare, _print_report, errors=(PrepareError, ValueError), name="prepare"))

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import highdicom as hd
@@ -24,12 +25,42 @@ from pydicom.uid import CTImageStorage, ExplicitVRLittleEndian, generate_uid
 from tqdm import tqdm
 
 from scripts.dicom import segment_description
+from scripts.labels import COLLECTION
 
 logger = logging.getLogger(__name__)
 
 SEGMENT_NAMES: tuple[str, ...] = ("GTV-1", "Lung-Left", "Lung-Right", "Heart", "Esophagus", "Spinal-Cord")
 HU = {"air": -1000.0, "body": 40.0, "lung": -850.0, "heart": 50.0, "esophagus": 20.0, "bone": 700.0, "tumour": 45.0}
 INTERCEPT = -1024.0
+
+
+@dataclass
+class _Grid:
+    """Voxel centres of the volume in patient (LPS) mm: voxel (i, j, k) is at (xs[i], ys[j], zs[k]).
+
+    The mesh is sparse: every expression over it broadcasts to the volume only in its (boolean) result, so a
+    realistic 512 x 512 x 120 case needs hundreds of MB, not tens of GB of float64 temporaries.
+    """
+
+    xs: np.ndarray
+    ys: np.ndarray
+    zs: np.ndarray
+    row_spacing: float
+    col_spacing: float
+    slice_spacing: float
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return len(self.xs), len(self.ys), len(self.zs)
+
+    @property
+    def mesh(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return np.meshgrid(self.xs, self.ys, self.zs, indexing="ij", sparse=True)
+
+    @property
+    def size_mm(self) -> tuple[float, float, float]:
+        """Width along x and y (edge to edge), and the distance between the first and last slice centres."""
+        return len(self.xs) * self.col_spacing, len(self.ys) * self.row_spacing, float(self.zs[-1] - self.zs[0])
 
 
 def write_case(
@@ -46,7 +77,7 @@ def write_case(
     gtv_name: str = "GTV-1",
     empty_gtv: bool = False,
     flip_in_plane: bool = False,
-    collection: str = "NSCLC-Radiomics",
+    collection: str = COLLECTION,
     tumour_hu: float = HU["tumour"],
 ) -> dict:
     """Write one case and return its truth (also saved as JSON). ``shape`` is (columns, rows, slices).
@@ -57,146 +88,42 @@ def write_case(
     nx, ny, nz = (int(v) for v in shape)
     if min(nx, ny) < 32 or nz < 8:
         raise ValueError(f"shape={list(shape)}: need at least 32 x 32 x 8 voxels to draw the anatomy.")
-    rng = np.random.default_rng(seed)
-    row_spacing, col_spacing = (float(v) for v in pixel_spacing)
-    names = list(SEGMENT_NAMES if segments is None else segments)
-    names = [gtv_name if n == "GTV-1" and segments is None else n for n in names]
-
-    # geometry: voxel (i, j, k) centre = origin + i * col_spacing * x + j * row_spacing * y + k * slice_spacing * z
-    width_x, width_y = nx * col_spacing, ny * row_spacing
-    origin = np.array([-width_x / 2 + col_spacing / 2, -width_y / 2 + row_spacing / 2, -300.0 + rng.uniform(-20, 20)])
-    xs = origin[0] + np.arange(nx) * col_spacing
-    ys = origin[1] + np.arange(ny) * row_spacing
-    zs = origin[2] + np.arange(nz) * slice_spacing
-    # sparse grids: every expression below broadcasts to the volume only in its (boolean) result, so a realistic
-    # 512 x 512 x 120 case needs hundreds of MB, not tens of GB of float64 temporaries
-    x, y, z = np.meshgrid(xs, ys, zs, indexing="ij", sparse=True)
-    shape = (nx, ny, nz)
-    z_mid, z_len = zs.mean(), zs[-1] - zs[0]
-
-    body_a, body_b = 0.44 * width_x, 0.36 * width_y
-    body = (x / body_a) ** 2 + (y / body_b) ** 2 <= 1
-    lung_r = [0.17 * width_x, 0.24 * width_y, 0.45 * z_len + slice_spacing]
-    lung_centres = {
-        "Lung-Left": [0.2 * width_x, -0.02 * width_y, z_mid],
-        "Lung-Right": [-0.2 * width_x, -0.02 * width_y, z_mid],
-    }
-    masks = {name: _ellipsoid(x, y, z, c, lung_r) & body for name, c in lung_centres.items()}
-    heart_c = [0.05 * width_x, -0.12 * width_y, z_mid - 0.15 * z_len]
-    masks["Heart"] = _ellipsoid(x, y, z, heart_c, [0.1 * width_x, 0.09 * width_y, 0.25 * z_len]) & body
-    masks["Esophagus"] = ((x - 0.02 * width_x) ** 2 + (y - 0.1 * width_y) ** 2 <= (0.025 * width_x) ** 2) & body
-    masks["Spinal-Cord"] = (x**2 + (y - 0.27 * width_y) ** 2 <= (0.03 * width_x) ** 2) & body
-    body = np.broadcast_to(body, shape)
-    masks = {name: np.broadcast_to(mask, shape) for name, mask in masks.items()}
-
-    # tumour: a main ellipsoid and an offset lobe inside one lung; LPS +x is the patient's left
-    side = "left" if rng.random() < 0.5 else "right"
-    lung_c = np.array(lung_centres["Lung-Left" if side == "left" else "Lung-Right"])
-    radii = rng.uniform([10, 9, 10], [min(18, 0.08 * width_x + 8), min(16, 0.08 * width_y + 7), 24])
-    centre = lung_c + rng.uniform(-0.3, 0.3, 3) * (np.array(lung_r) - radii - 2)
-    lobe_r = radii * rng.uniform(0.45, 0.6, 3)
-    direction = np.array([rng.choice([-1, 1]) * 0.8, 0.6, rng.choice([-1, 1]) * 0.7])
-    lobe_c = centre + direction * radii * 0.8
-    ellipsoids = [
-        {"center_lps": [float(v) for v in centre], "radii_mm": [float(v) for v in radii]},
-        {"center_lps": [float(v) for v in lobe_c], "radii_mm": [float(v) for v in lobe_r]},
-    ]
-    tumour = np.zeros(shape, bool)
+    rng = np.random.default_rng(seed)  # every draw below, in this order, is part of the case's identity
+    grid = _make_grid((nx, ny, nz), pixel_spacing, slice_spacing, rng)
+    masks, body, lung_centres, lung_radii = _anatomy(grid)
+    ellipsoids, side = _tumour(grid, lung_centres, lung_radii, rng)
+    tumour = np.zeros(grid.shape, bool)
     for e in ellipsoids:
-        tumour |= _ellipsoid(x, y, z, e["center_lps"], e["radii_mm"])
-    if empty_gtv:
-        masks["GTV-1"] = np.zeros(shape, bool)
-    else:
-        masks["GTV-1"] = tumour
+        tumour |= _ellipsoid(*grid.mesh, e["center_lps"], e["radii_mm"])
+    masks["GTV-1"] = np.zeros(grid.shape, bool) if empty_gtv else tumour
+    stored = _stored_pixels(grid, body, masks, None if empty_gtv else tumour, tumour_hu, rng)
 
-    hu = np.full(shape, HU["air"])
-    hu[body] = HU["body"]
-    for name in ("Lung-Left", "Lung-Right"):
-        hu[masks[name]] = HU["lung"]
-    hu[masks["Heart"]] = HU["heart"]
-    hu[masks["Esophagus"]] = HU["esophagus"]
-    hu[masks["Spinal-Cord"]] = HU["bone"]
-    if not empty_gtv:
-        hu[tumour] = tumour_hu
-    hu += rng.normal(0, 20, hu.shape)
-    stored = np.clip(np.rint(hu - INTERCEPT), 0, 4095).astype(np.uint16)
-
-    # UIDs: deterministic from the seed
-    def uid(tag: str) -> str:
-        return generate_uid(entropy_srcs=[str(seed), patient_id, tag])
-
-    study_uid, ct_uid, seg_uid, for_uid = uid("study"), uid("ct"), uid("seg"), uid("for")
+    uid = _uid_maker(seed, patient_id)
     ct_series_number = 1 + int(rng.integers(1, 5))
     seg_series_number = 1000 + int(rng.integers(1, 400))
     case_dir = Path(output_dir) / collection / patient_id / str(seg_series_number)
-    image_dir, seg_dir = case_dir / "image", case_dir / "seg"
-    image_dir.mkdir(parents=True, exist_ok=True)
-    seg_dir.mkdir(parents=True, exist_ok=True)
+    slices = _write_ct(case_dir / "image", grid, stored, patient_id, uid, ct_series_number, reverse_instance_numbers,
+                       rng if shuffle_file_names else None, flip_in_plane)  # fmt: skip
+    names = list(SEGMENT_NAMES if segments is None else segments)
+    names = [gtv_name if n == "GTV-1" and segments is None else n for n in names]
+    written = _write_seg(case_dir / "seg" / "1-1.dcm", slices, masks, names, gtv_name, uid, seg_series_number,
+                         omit_empty=sparse_seg and not empty_gtv, flip_in_plane=flip_in_plane)  # fmt: skip
 
-    # InstanceNumber 1 = highest z (head first), unless reversed; names follow InstanceNumber unless shuffled
-    instance = {k: (k + 1 if reverse_instance_numbers else nz - k) for k in range(nz)}
-    name_of = {k: f"1-{instance[k]:03d}.dcm" for k in range(nz)}
-    if shuffle_file_names:
-        perm = rng.permutation(nz)
-        name_of = {k: f"1-{perm[k] + 1:03d}.dcm" for k in range(nz)}
-    slices = []
-    # the first stored pixel and the in-plane directions; flipped, column/row indices run towards -x/-y
-    corner, orientation, in_plane = (xs[0], ys[0]), [1, 0, 0, 0, 1, 0], slice(None)
-    if flip_in_plane:
-        corner, orientation, in_plane = (xs[-1], ys[-1]), [-1, 0, 0, 0, -1, 0], slice(None, None, -1)
-    for k in range(nz):
-        ds = _ct_slice(stored[in_plane, in_plane, k].T, patient_id, study_uid, ct_uid, for_uid, uid(f"sop{k}"),
-                       ct_series_number, instance[k], [float(corner[0]), float(corner[1]), float(zs[k])], orientation,
-                       row_spacing, col_spacing, slice_spacing)  # fmt: skip
-        ds.save_as(image_dir / name_of[k], enforce_file_format=True)
-        slices.append(ds)
-
-    # SEG
-    seg_masks, descriptions = [], []
-    for number, name in enumerate(names, start=1):
-        key = "GTV-1" if name == gtv_name else name
-        if key not in masks:
-            raise ValueError(f"segment {name!r}: unknown; choose from {list(SEGMENT_NAMES)}.")
-        seg_masks.append(masks[key])
-        descriptions.append(segment_description(number, name))
-    written = []
-    if descriptions:
-        stacked = np.stack(seg_masks, -1)[in_plane, in_plane]
-        pixel = np.stack([stacked[:, :, k].transpose(1, 0, 2) for k in range(nz)]).astype(np.uint8)
-        seg = hd.seg.Segmentation(
-            source_images=slices,
-            pixel_array=pixel,
-            segmentation_type=hd.seg.SegmentationTypeValues.BINARY,
-            segment_descriptions=descriptions,
-            series_instance_uid=seg_uid,
-            series_number=seg_series_number,
-            sop_instance_uid=uid("segsop"),
-            instance_number=1,
-            manufacturer="NSCLC SwinUNETR bundle",
-            manufacturer_model_name="scripts.synthetic",
-            software_versions="1",
-            device_serial_number="0",
-            omit_empty_frames=sparse_seg and not empty_gtv,
-            content_date="20260101",
-            content_time="120000",
-        )
-        seg.save_as(seg_dir / "1-1.dcm")
-        written = names
-
-    voxels = np.stack([np.broadcast_to(c, shape)[tumour] for c in (x, y, z)], -1)
+    x, y, z = grid.mesh
+    voxels = np.stack([np.broadcast_to(c, grid.shape)[tumour] for c in (x, y, z)], -1)
     truth = {
         "patient_id": patient_id,
         "collection": collection,
         "seed": seed,
         "series_number": str(seg_series_number),
-        "ct_series_uid": ct_uid,
-        "seg_series_uid": seg_uid,
-        "study_uid": study_uid,
-        "frame_of_reference_uid": for_uid,
+        "ct_series_uid": uid("ct"),
+        "seg_series_uid": uid("seg"),
+        "study_uid": uid("study"),
+        "frame_of_reference_uid": uid("for"),
         "shape": [nx, ny, nz],
-        "pixel_spacing": [row_spacing, col_spacing],
+        "pixel_spacing": [grid.row_spacing, grid.col_spacing],
         "slice_spacing": float(slice_spacing),
-        "origin_lps": [float(v) for v in origin],
+        "origin_lps": [float(grid.xs[0]), float(grid.ys[0]), float(grid.zs[0])],
         "hu": {"air": HU["air"], "body": HU["body"], "lung": HU["lung"], "tumour": float(tumour_hu)},
         "tumour": {
             "ellipsoids": ellipsoids,
@@ -211,8 +138,8 @@ def write_case(
         "shuffle_file_names": shuffle_file_names,
         "empty_gtv": empty_gtv,
         "flip_in_plane": flip_in_plane,
-        "image_dir": str(image_dir),
-        "seg_file": str(seg_dir / "1-1.dcm"),
+        "image_dir": str(case_dir / "image"),
+        "seg_file": str(case_dir / "seg" / "1-1.dcm"),
     }
     truth_dir = Path(output_dir) / "synthetic_truth"
     truth_dir.mkdir(parents=True, exist_ok=True)
@@ -220,12 +147,156 @@ def write_case(
     return truth
 
 
+def _make_grid(shape: tuple[int, int, int], pixel_spacing: Sequence[float], slice_spacing: float, rng) -> _Grid:
+    """The volume centred on x = y = 0, its first slice near z = -300 mm (drawn: cases differ in position)."""
+    nx, ny, nz = shape
+    row_spacing, col_spacing = (float(v) for v in pixel_spacing)
+    width_x, width_y = nx * col_spacing, ny * row_spacing
+    origin = np.array([-width_x / 2 + col_spacing / 2, -width_y / 2 + row_spacing / 2, -300.0 + rng.uniform(-20, 20)])
+    return _Grid(
+        xs=origin[0] + np.arange(nx) * col_spacing,
+        ys=origin[1] + np.arange(ny) * row_spacing,
+        zs=origin[2] + np.arange(nz) * float(slice_spacing),
+        row_spacing=row_spacing,
+        col_spacing=col_spacing,
+        slice_spacing=float(slice_spacing),
+    )
+
+
+def _anatomy(grid: _Grid) -> tuple[dict[str, np.ndarray], np.ndarray, dict[str, list[float]], list[float]]:
+    """Body, lungs, heart, oesophagus and spinal cord as masks of the volume; also the lungs' centres and radii."""
+    x, y, z = grid.mesh
+    width_x, width_y, z_len = grid.size_mm
+    z_mid = float(grid.zs.mean())
+    body = (x / (0.44 * width_x)) ** 2 + (y / (0.36 * width_y)) ** 2 <= 1
+    lung_r = [0.17 * width_x, 0.24 * width_y, 0.45 * z_len + grid.slice_spacing]
+    lung_centres = {
+        "Lung-Left": [0.2 * width_x, -0.02 * width_y, z_mid],
+        "Lung-Right": [-0.2 * width_x, -0.02 * width_y, z_mid],
+    }
+    masks = {name: _ellipsoid(x, y, z, c, lung_r) & body for name, c in lung_centres.items()}
+    heart_c = [0.05 * width_x, -0.12 * width_y, z_mid - 0.15 * z_len]
+    masks["Heart"] = _ellipsoid(x, y, z, heart_c, [0.1 * width_x, 0.09 * width_y, 0.25 * z_len]) & body
+    masks["Esophagus"] = ((x - 0.02 * width_x) ** 2 + (y - 0.1 * width_y) ** 2 <= (0.025 * width_x) ** 2) & body
+    masks["Spinal-Cord"] = (x**2 + (y - 0.27 * width_y) ** 2 <= (0.03 * width_x) ** 2) & body
+    masks = {name: np.broadcast_to(mask, grid.shape) for name, mask in masks.items()}
+    return masks, np.broadcast_to(body, grid.shape), lung_centres, lung_r
+
+
+def _tumour(grid: _Grid, lung_centres: dict, lung_radii: list[float], rng) -> tuple[list[dict], str]:
+    """A main ellipsoid and an offset lobe inside one lung (LPS +x is the patient's left): asymmetric along every
+    axis, so any flip or axis swap in a reader shows."""
+    width_x, width_y, _ = grid.size_mm
+    side = "left" if rng.random() < 0.5 else "right"
+    lung_c = np.array(lung_centres["Lung-Left" if side == "left" else "Lung-Right"])
+    radii = rng.uniform([10, 9, 10], [min(18, 0.08 * width_x + 8), min(16, 0.08 * width_y + 7), 24])
+    centre = lung_c + rng.uniform(-0.3, 0.3, 3) * (np.array(lung_radii) - radii - 2)
+    lobe_r = radii * rng.uniform(0.45, 0.6, 3)
+    direction = np.array([rng.choice([-1, 1]) * 0.8, 0.6, rng.choice([-1, 1]) * 0.7])
+    lobe_c = centre + direction * radii * 0.8
+    ellipsoids = [
+        {"center_lps": [float(v) for v in centre], "radii_mm": [float(v) for v in radii]},
+        {"center_lps": [float(v) for v in lobe_c], "radii_mm": [float(v) for v in lobe_r]},
+    ]
+    return ellipsoids, side
+
+
+def _stored_pixels(grid: _Grid, body, masks: dict, tumour: np.ndarray | None, tumour_hu: float, rng) -> np.ndarray:
+    """HU of each structure plus noise (20 HU), as the 12-bit values a CT stores (HU - intercept)."""
+    hu = np.full(grid.shape, HU["air"])
+    hu[body] = HU["body"]
+    for name in ("Lung-Left", "Lung-Right"):
+        hu[masks[name]] = HU["lung"]
+    hu[masks["Heart"]] = HU["heart"]
+    hu[masks["Esophagus"]] = HU["esophagus"]
+    hu[masks["Spinal-Cord"]] = HU["bone"]
+    if tumour is not None:
+        hu[tumour] = tumour_hu
+    hu += rng.normal(0, 20, hu.shape)
+    return np.clip(np.rint(hu - INTERCEPT), 0, 4095).astype(np.uint16)
+
+
+def _uid_maker(seed: int, patient_id: str) -> Callable[[str], str]:
+    """UIDs derived from the seed and patient: the same case always gets the same UIDs."""
+
+    def uid(tag: str) -> str:
+        return generate_uid(entropy_srcs=[str(seed), patient_id, tag])
+
+    return uid
+
+
+def _write_ct(
+    image_dir: Path, grid: _Grid, stored: np.ndarray, patient_id: str, uid, series_number: int,
+    reverse_instance_numbers: bool, shuffle_rng, flip_in_plane: bool,
+) -> list[Dataset]:  # fmt: skip
+    """One file per slice. InstanceNumber 1 = highest z (head first) unless reversed; file names follow
+    InstanceNumber unless shuffled. Flipped in plane, column/row indices run towards -x/-y from the far corner."""
+    nz = grid.shape[2]
+    image_dir.mkdir(parents=True, exist_ok=True)
+    instance = {k: (k + 1 if reverse_instance_numbers else nz - k) for k in range(nz)}
+    name_of = {k: f"1-{instance[k]:03d}.dcm" for k in range(nz)}
+    if shuffle_rng is not None:
+        perm = shuffle_rng.permutation(nz)
+        name_of = {k: f"1-{perm[k] + 1:03d}.dcm" for k in range(nz)}
+    corner, orientation, in_plane = (grid.xs[0], grid.ys[0]), [1, 0, 0, 0, 1, 0], slice(None)
+    if flip_in_plane:
+        corner, orientation, in_plane = (grid.xs[-1], grid.ys[-1]), [-1, 0, 0, 0, -1, 0], slice(None, None, -1)
+    slices = []
+    for k in range(nz):
+        ds = _ct_slice(stored[in_plane, in_plane, k].T, patient_id, uid("study"), uid("ct"), uid("for"),
+                       uid(f"sop{k}"), series_number, instance[k],
+                       [float(corner[0]), float(corner[1]), float(grid.zs[k])], orientation, grid.row_spacing,
+                       grid.col_spacing, grid.slice_spacing)  # fmt: skip
+        ds.save_as(image_dir / name_of[k], enforce_file_format=True)
+        slices.append(ds)
+    return slices
+
+
+def _write_seg(
+    path: Path, slices: list[Dataset], masks: dict, names: list[str], gtv_name: str, uid, series_number: int,
+    omit_empty: bool, flip_in_plane: bool,
+) -> list[str]:  # fmt: skip
+    """A highdicom SEG with one segment per name (GTV-1 under ``gtv_name``); the names written (none: no file)."""
+    seg_masks, descriptions = [], []
+    for number, name in enumerate(names, start=1):
+        key = "GTV-1" if name == gtv_name else name
+        if key not in masks:
+            raise ValueError(f"segment {name!r}: unknown; choose from {list(SEGMENT_NAMES)}.")
+        seg_masks.append(masks[key])
+        descriptions.append(segment_description(number, name))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not descriptions:
+        return []
+    in_plane = slice(None, None, -1) if flip_in_plane else slice(None)
+    stacked = np.stack(seg_masks, -1)[in_plane, in_plane]
+    pixel = np.stack([stacked[:, :, k].transpose(1, 0, 2) for k in range(len(slices))]).astype(np.uint8)
+    seg = hd.seg.Segmentation(
+        source_images=slices,
+        pixel_array=pixel,
+        segmentation_type=hd.seg.SegmentationTypeValues.BINARY,
+        segment_descriptions=descriptions,
+        series_instance_uid=uid("seg"),
+        series_number=series_number,
+        sop_instance_uid=uid("segsop"),
+        instance_number=1,
+        manufacturer="NSCLC SwinUNETR bundle",
+        manufacturer_model_name="scripts.synthetic",
+        software_versions="1",
+        device_serial_number="0",
+        omit_empty_frames=omit_empty,
+        content_date="20260101",
+        content_time="120000",
+    )
+    seg.save_as(path)
+    return names
+
+
 def generate(
     output_dir: str | Path,
     num_cases: int = 10,
     shape: Sequence[int] = (128, 128, 40),
     seed: int = 0,
-    collection: str = "NSCLC-Radiomics",
+    collection: str = COLLECTION,
     tumour_hu: float = HU["tumour"],
 ) -> list[dict]:
     """Write ``num_cases`` cases LUNG1-001, ...; case i uses ``seed + i``; cases already written are kept.

@@ -1,7 +1,7 @@
 """Run ``configs/benchmark.yaml`` once per set of speed switches and print a markdown table of the results.
 
-    python -m scripts.bench_switches --dataset_dir /data/tcia                      # train.yaml's network and data
-    python -m scripts.bench_switches --demo true --output_dir runs/bench_demo      # the demo's network and data
+    python -m benchmarks.bench_switches --dataset_dir /data/tcia                      # train.yaml's network and data
+    python -m benchmarks.bench_switches --demo true --output_dir runs/bench_demo      # the demo's network and data
 
 Each set is a separate ``monai.bundle run`` (a fresh process: no warm caches or compiled graphs carried over), so
 rows are comparable. The first row is the loop of the original research-contributions / AMD scripts (no cache,

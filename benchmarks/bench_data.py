@@ -17,7 +17,7 @@ peak RSS, bytes per cached case, and the speed-up of the steady-state epoch over
 ``scripts.prepare`` per case against a bare pydicom read of the same CT series (every file read and its pixels
 decoded, nothing else)::
 
-    python -m scripts.bench_data [--cases 4] [--shape "[512,512,120]"] [--epochs 5] [--original_epochs 2]
+    python -m benchmarks.bench_data [--cases 4] [--shape "[512,512,120]"] [--epochs 5] [--original_epochs 2]
                                  [--output_dir DIR] [--keep false] [--json_out FILE]
 
 Data time only: no network, one process, no loader workers (each approach would scale with workers alike).
@@ -122,7 +122,7 @@ def bare_read(image_dir: Path):
 
 
 def _run_child(approach: str, dicom_dir: Path, prepared_dir: Path, epochs: int) -> dict[str, Any]:
-    command = [sys.executable, "-m", "scripts.bench_data", "child", approach, str(dicom_dir), str(prepared_dir),
+    command = [sys.executable, "-m", "benchmarks.bench_data", "child", approach, str(dicom_dir), str(prepared_dir),
                str(epochs)]  # fmt: skip
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
     if result.returncode != 0:

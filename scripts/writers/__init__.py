@@ -1,0 +1,4 @@
+"""DICOM objects the bundle writes for a predicted case, each referencing the CT series it was predicted from.
+
+* :mod:`~scripts.writers.seg` -- a DICOM SEG (highdicom): one segment per structure, coded in SNOMED CT.
+"""

@@ -1,0 +1,62 @@
+"""A predicted label map as a DICOM SEG that references the source CT series and instances, shares their frame of
+reference and names and codes each segment, so OHIF or 3D Slicer overlays it on the CT exactly."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import highdicom as hd
+import numpy as np
+from pydicom.sr.codedict import codes
+
+from scripts.dicom import scan_ct_series, segment_description
+from scripts.files import replace_atomically
+
+ALGORITHM_NAME = "SwinUNETR NSCLC-Radiomics bundle"
+MANUFACTURER = "NSCLC SwinUNETR bundle"
+
+
+def algorithm_identification(version: str) -> hd.AlgorithmIdentificationSequence:
+    """Who made the segmentation: this bundle, at ``version`` (recorded in every object written)."""
+    return hd.AlgorithmIdentificationSequence(
+        name=ALGORITHM_NAME, family=codes.cid7162.ArtificialIntelligence, version=str(version)
+    )
+
+
+def write_dicom_seg(
+    labels: np.ndarray,
+    image_dir: str | Path,
+    names: Sequence[str],
+    path: str | Path,
+    algorithm: hd.AlgorithmIdentificationSequence,
+) -> hd.seg.Segmentation:
+    """A DICOM SEG of the label map ``labels`` [X, Y, Z] (on the grid of the series in ``image_dir``).
+
+    Frame ``k`` annotates the ``k``-th slice along the slice normal, the order :func:`scan_ct_series` sorts by, so
+    every frame references the CT instance it lies on. Segment ``i`` is ``names[i - 1]``; empty frames are omitted.
+    """
+    headers, _ = scan_ct_series(image_dir)
+    if labels.shape != (int(headers[0][1].Columns), int(headers[0][1].Rows), len(headers)):
+        raise ValueError(f"{image_dir}: prediction shape {labels.shape} does not match the series' grid.")
+    source = [ds for _, ds in headers]
+    frames = np.ascontiguousarray(labels.transpose(2, 1, 0))  # [slice, row, column], as the CT stores pixels
+    seg = hd.seg.Segmentation(
+        source_images=source,
+        pixel_array=frames,
+        segmentation_type=hd.seg.SegmentationTypeValues.BINARY,
+        segment_descriptions=[segment_description(i, name, algorithm) for i, name in enumerate(names, start=1)],
+        series_instance_uid=hd.UID(),
+        series_number=int(source[0].get("SeriesNumber", 0) or 0) + 9000,
+        sop_instance_uid=hd.UID(),
+        instance_number=1,
+        manufacturer=MANUFACTURER,
+        manufacturer_model_name=ALGORITHM_NAME,
+        software_versions=str(algorithm[0].AlgorithmVersion),
+        device_serial_number="none",
+        content_label="GTV" if names and names[0].upper().startswith("GTV") else "SEGMENTATION",
+        content_description="SwinUNETR segmentation",
+        omit_empty_frames=True,
+    )
+    replace_atomically(path, seg.save_as)
+    return seg
