@@ -39,6 +39,8 @@ def check_config(
     collection: str = COLLECTION,
 ) -> bool:
     """Validate the ids that shape the whole run; returns True so it can sit in ``initialize``."""
+    if isinstance(labels, str):
+        raise ConfigError(f"labels={labels!r}: give a list of structure names, e.g. \"['{labels}']\".")
     try:
         check_labels(labels, collection)
     except LabelError as err:

@@ -1,4 +1,7 @@
-"""Shared fixtures: synthetic TCIA-layout cases are written once per test session and reused."""
+"""Shared fixtures: synthetic TCIA-layout cases are written once per session, the demo is trained once, and every
+workflow test reuses them. Bundle runs start from a folder that is not the bundle (``--bundle_root`` names it), as the
+model zoo and SLURM jobs run them; the demo alone runs from the bundle root with relative paths, as the README says.
+"""
 
 from __future__ import annotations
 
@@ -12,10 +15,20 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
-# two cores: keep torch from oversubscribing them when tests start worker processes
+# two cores: keep torch from oversubscribing them when tests start worker processes, and let idle OpenMP threads
+# sleep rather than spin (a spinning thread of one process starves the other process on the other core)
 os.environ.setdefault("OMP_NUM_THREADS", "2")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 SMALL_SHAPE = (64, 64, 24)
+
+
+def configs(*names: str) -> str:
+    """A ``--config_file`` value: the bundle's configs by absolute path, in order."""
+    return str([str(ROOT / "configs" / name) for name in names])
+
+
+DEMO = configs("train.yaml", "demo.yaml")
 
 
 @pytest.fixture(scope="session")
@@ -33,46 +46,42 @@ def small_cases(tmp_path_factory) -> tuple[Path, list[dict]]:
     return out, truths
 
 
-DEMO = "['configs/train.yaml','configs/demo.yaml']"
+def bundle_run(*args: str, cwd: Path | None = None, timeout: int = 900) -> subprocess.CompletedProcess:
+    """``python -m monai.bundle run ...`` as a user types it, from ``cwd`` (default: a folder outside the bundle, so
+    ``--bundle_root`` is added)."""
+    command = [sys.executable, "-m", "monai.bundle", "run", *args]
+    if cwd is None:
+        cwd = ROOT.parent
+        command += ["--bundle_root", str(ROOT)]
+    return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=timeout)
 
 
-def bundle_run(root: Path, *args: str, timeout: int = 900) -> subprocess.CompletedProcess:
-    """``python -m monai.bundle run ...`` from the bundle root, as a user types it."""
-    result = subprocess.run(
-        [sys.executable, "-m", "monai.bundle", "run", *args],
-        cwd=root,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    return result
-
-
-def demo_args(tmp: Path, shrink: bool = True, **overrides) -> list[str]:
+def demo_args(tmp: Path, shrink: bool = True, config_file: str = DEMO, **overrides) -> list[str]:
     """The demo config pointed at a temporary folder; ``shrink``: a few small steps (for tests of mechanics)."""
     settings = {"dataset_dir": str(tmp / "data"), "prepared_dir": str(tmp / "prepared"), "output_dir": str(tmp / "run")}
     if shrink:
-        settings.update(demo_cases=5, demo_shape="[96,96,32]", num_samples=1, val_interval=1)
+        settings.update(demo_cases=4, demo_shape="[96,96,32]", num_samples=1, val_interval=1)
     settings.update(overrides)
-    args = ["--config_file", DEMO]
+    args = ["--config_file", config_file]
     for key, value in settings.items():
         args += [f"--{key}", str(value)]
     return args
 
 
-def train_workflow(root: Path, configs: list[str], demo_tmp: Path, output_dir: Path):
-    """An initialised single-process ``ConfigWorkflow`` of ``configs`` on the demo run's prepared data."""
+def train_workflow(configs_: list[str], demo_tmp: Path, output_dir: Path, workflow_type: str = "train", **overrides):
+    """An initialised single-process ``ConfigWorkflow`` of ``configs_`` on the demo run's prepared data, built from a
+    working directory that is not the bundle."""
     from monai.bundle import ConfigWorkflow
 
     workflow = ConfigWorkflow(
-        config_file=[str(root / c) for c in configs],
-        meta_file=str(root / "configs" / "metadata.json"),
-        workflow_type="train",
-        bundle_root=str(root),
+        config_file=[str(ROOT / "configs" / c) for c in configs_],
+        workflow_type=workflow_type,
+        bundle_root=str(ROOT),
         dataset_dir=str(demo_tmp / "data"),
         prepared_dir=str(demo_tmp / "prepared"),
         output_dir=str(output_dir),
         acquire_data="$None",
+        **overrides,
     )
     workflow.initialize()
     return workflow
@@ -80,10 +89,12 @@ def train_workflow(root: Path, configs: list[str], demo_tmp: Path, output_dir: P
 
 @pytest.fixture(scope="session")
 def demo_run(tmp_path_factory, root):
-    """The demo exactly as a user runs it (10 cases, 10 epochs), only its folders moved to a temporary place."""
+    """The demo exactly as a user runs it from the bundle root (10 cases, 10 epochs), only its folders moved to a
+    temporary place."""
     tmp = tmp_path_factory.mktemp("demo")
     model_zoo_weights = root / "models" / "model.pt"
     before = model_zoo_weights.stat().st_mtime_ns if model_zoo_weights.exists() else None
-    result = bundle_run(root, *demo_args(tmp, shrink=False))
+    args = demo_args(tmp, shrink=False, config_file="['configs/train.yaml','configs/demo.yaml']")
+    result = bundle_run(*args, cwd=root)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return tmp, result, before

@@ -1,4 +1,5 @@
-"""The compact training cache: what CompactForCropd keeps is smaller and the crops drawn from it are MONAI's crops."""
+"""scripts.data: each cache mode and loader builds what it promises, and the compact training cache keeps less while the
+crops drawn from it are exactly MONAI's crops."""
 
 from __future__ import annotations
 
@@ -9,9 +10,11 @@ import numpy as np
 import pytest
 import torch
 from monai.bundle import ConfigParser
+from monai.data import CacheDataset, DataLoader, Dataset, PersistentDataset, ThreadDataLoader
 from monai.transforms import Compose, RandCropByPosNegLabeld
 
-from scripts.data import CompactForCropd
+from scripts.config import ConfigError
+from scripts.data import CompactForCropd, make_dataset, make_loader
 from scripts.prepare import prepare
 
 ROI = [32, 32, 16]
@@ -25,7 +28,9 @@ def train_config(small_cases, tmp_path_factory, root) -> ConfigParser:
     prepare(dicom_dir, prepared, progress=False, num_workers=1)
     parser = ConfigParser()
     parser.read_config(str(root / "configs" / "train.yaml"))
-    parser.update({"prepared_dir": str(prepared), "roi_size": ROI, "num_samples": 8, "cache": "memory"})
+    parser.update(
+        {"bundle_root": str(root), "prepared_dir": str(prepared), "roi_size": ROI, "num_samples": 8, "cache": "memory"}
+    )
     return parser
 
 
@@ -117,3 +122,30 @@ def test_drawing_patches_leaves_the_cached_cases_untouched(train_config):
         np.testing.assert_array_equal(cached["fg_indices"], saved["fg_indices"])
         np.testing.assert_array_equal(cached["bg_indices"], saved["bg_indices"])
         assert len(cached["image"].applied_operations) == count, "no transform history piles up on the cache"
+
+
+DATA = [{"x": i} for i in range(4)]
+
+
+@pytest.mark.parametrize(("cache", "kind"), [("none", Dataset), ("memory", CacheDataset), ("disk", PersistentDataset)])
+def test_cache_modes_build_their_dataset(cache, kind, tmp_path):
+    dataset = make_dataset(cache, DATA, transform=None, cache_dir=tmp_path / "cache")
+    assert type(dataset) is kind
+    assert [dataset[i]["x"] for i in range(4)] == [0, 1, 2, 3]
+
+
+def test_unknown_cache_mode_and_disk_without_folder_are_config_errors():
+    with pytest.raises(ConfigError, match=r"'ram' is not one of \['none', 'memory', 'disk', 'gpu'\]"):
+        make_dataset("ram", DATA, transform=None)
+    with pytest.raises(ConfigError, match="cache_dir"):
+        make_dataset("disk", DATA, transform=None, cache_dir=None)
+
+
+def test_loaders():
+    dataset = Dataset(DATA)
+    gpu = make_loader(dataset, cache="gpu", num_workers=4)
+    assert type(gpu) is ThreadDataLoader and gpu.num_workers == 0, "CUDA tensors never go to worker processes"
+    assert type(make_loader(dataset, thread_loader="true")) is ThreadDataLoader  # as --thread_loader true arrives
+    workers = make_loader(dataset, num_workers=2, persistent_workers="true")
+    assert type(workers) is DataLoader and workers.persistent_workers
+    assert not make_loader(dataset, num_workers=0).persistent_workers

@@ -15,16 +15,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import DEMO, train_workflow
+from conftest import ROOT, configs, train_workflow
 
-MULTI = DEMO[:-1] + ",'configs/multi_gpu_train.yaml']"
+MULTI = configs("train.yaml", "demo.yaml", "multi_gpu_train.yaml")
+# each rank one thread: two ranks of two threads each would oversubscribe the two cores
+RANK_ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 def bundle_args(demo_tmp: Path, out: Path, **overrides) -> list[str]:
     settings = {"dataset_dir": demo_tmp / "data", "prepared_dir": demo_tmp / "prepared", "output_dir": out,
                 "num_samples": 1, "val_interval": 1, "max_epochs": 1, "dist_timeout_minutes": 10}  # fmt: skip
     settings.update(overrides)
-    args = ["-m", "monai.bundle", "run", "--config_file", MULTI]
+    args = ["-m", "monai.bundle", "run", "--config_file", MULTI, "--bundle_root", str(ROOT)]
     for key, value in settings.items():
         args += [f"--{key}", str(value)]
     return args
@@ -45,16 +47,17 @@ def logged_dice(log: str, epoch: int) -> float:
     return float(dict(matches)[str(epoch)])
 
 
-def test_two_ranks_restart_after_a_kill_and_agree(demo_run, root, tmp_path):
+def test_two_ranks_restart_after_a_kill_and_agree(demo_run, tmp_path):
     demo_tmp, _, _ = demo_run
     out = tmp_path / "run"
-    dump = "$torch.save(scripts.checkpoint.unwrap(@network).state_dict(), '{}/rank' + str(dist.get_rank()) + '.pt')"
-    finalize = str([dump.format(tmp_path), "$scripts.distributed.cleanup()"])
+    rank_file = "'{}/rank' + str(@scripts.distributed.rank()) + '.pt'"
+    dump = f"$torch.save(@scripts.weights.unwrap(@network).state_dict(), {rank_file})"
+    finalize = str([dump.format(tmp_path), "$@scripts.distributed.cleanup()"])
     command = torchrun("--standalone", "--nproc_per_node=2", "--max-restarts=1",
                        *bundle_args(demo_tmp, out, max_epochs=2, resume="true", finalize=finalize))  # fmt: skip
     log_file = tmp_path / "log.txt"
     with log_file.open("w") as log:
-        job = subprocess.Popen(command, cwd=root, stdout=log, stderr=subprocess.STDOUT)
+        job = subprocess.Popen(command, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, env=RANK_ENV)
         latest = out / "checkpoints" / "latest.pt"
         deadline = time.monotonic() + 600
         while not latest.exists() and job.poll() is None and time.monotonic() < deadline:
@@ -74,9 +77,9 @@ def test_two_ranks_restart_after_a_kill_and_agree(demo_run, root, tmp_path):
         torch.testing.assert_close(ranks[1][name], tensor, msg=f"rank 1 differs from the saved weights: {name}")
 
     # the Dice logged under DDP (each rank validated half the cases) equals one process validating all of them
-    from scripts.checkpoint import load_weights
+    from scripts.weights import load_weights
 
-    workflow = train_workflow(root, ["configs/train.yaml", "configs/demo.yaml"], demo_tmp, tmp_path / "single")
+    workflow = train_workflow(["train.yaml", "demo.yaml"], demo_tmp, tmp_path / "single")
     load_weights(workflow.parser.get_parsed_content("network"), latest)
     evaluator = workflow.parser.get_parsed_content("validate#evaluator")
     evaluator.run()
@@ -92,7 +95,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_nodes_on_localhost_with_partitioned_cache(demo_run, root, tmp_path):
+def test_two_nodes_on_localhost_with_partitioned_cache(demo_run, tmp_path):
     demo_tmp, _, _ = demo_run
     port = free_port()
     launcher = ["--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}",
@@ -100,7 +103,12 @@ def test_two_nodes_on_localhost_with_partitioned_cache(demo_run, root, tmp_path)
     args = bundle_args(demo_tmp, tmp_path / "run", partition_cache="true")
     nodes = [
         subprocess.Popen(
-            torchrun(*launcher, *args), cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            torchrun(*launcher, *args),
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=RANK_ENV,
         )
         for _ in range(2)
     ]
@@ -114,14 +122,15 @@ def test_two_nodes_on_localhost_with_partitioned_cache(demo_run, root, tmp_path)
     assert held["0"] | held["1"] == training
 
 
-def test_evaluation_on_two_ranks_counts_every_case_once(demo_run, root, tmp_path):
+def test_evaluation_on_two_ranks_counts_every_case_once(demo_run, tmp_path):
     demo_tmp, _, _ = demo_run
-    configs = DEMO[:-1] + ",'configs/evaluate.yaml','configs/multi_gpu_evaluate.yaml']"
-    args = ["-m", "monai.bundle", "run", "evaluate", "--config_file", configs, "--dataset_dir", str(demo_tmp / "data"),
+    config_file = configs("train.yaml", "demo.yaml", "evaluate.yaml", "multi_gpu_evaluate.yaml")
+    args = ["-m", "monai.bundle", "run", "evaluate", "--config_file", config_file, "--bundle_root", str(ROOT),
+            "--dataset_dir", str(demo_tmp / "data"),
             "--prepared_dir", str(demo_tmp / "prepared"), "--output_dir", str(demo_tmp / "run"),
             "--eval_dir", str(tmp_path), "--eval_split", "training", "--eval_pictures", "0"]  # fmt: skip
-    result = subprocess.run(torchrun("--standalone", "--nproc_per_node=2", *args), cwd=root, capture_output=True,
-                            text=True, timeout=600)  # fmt: skip
+    result = subprocess.run(torchrun("--standalone", "--nproc_per_node=2", *args), cwd=tmp_path, capture_output=True,
+                            text=True, timeout=600, env=RANK_ENV)  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     rows = (tmp_path / "metrics.csv").read_text().splitlines()[1:]
     training = json.loads((demo_tmp / "prepared" / "datalist.json").read_text())["training"]

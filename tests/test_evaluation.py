@@ -1,0 +1,47 @@
+"""The evaluation handler writes one row per case and a summary that agrees with it."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import numpy as np
+import pytest
+import torch
+from monai.data import MetaTensor
+
+from scripts.evaluation import CaseMetrics
+
+R_MM, OFFSET_MM = 15.0, 8.0
+
+
+def sphere(spacing, centre_mm, radius_mm=R_MM, extent_mm=80.0) -> np.ndarray:
+    axes = [np.arange(int(extent_mm / s)) * s for s in spacing]
+    grid = np.meshgrid(*axes, indexing="ij")
+    return sum((g - c) ** 2 for g, c in zip(grid, centre_mm, strict=True)) <= radius_mm**2
+
+
+def test_handler_writes_one_row_per_case_and_a_summary(tmp_path):
+    class State:
+        batch = output = None
+
+    class FakeEngine:
+        state = State()
+
+    spacing = (1.0, 1.0, 3.0)
+    affine = torch.diag(torch.tensor([*spacing, 1.0]))
+    handler = CaseMetrics(tmp_path, ["GTV-1"], tolerance_mm=3.0)
+    truth = sphere(spacing, (40, 40, 40)).astype(np.float32)
+    for case_id, offset in (("A", 0.0), ("B", OFFSET_MM)):
+        pred = sphere(spacing, (40 + offset, 40, 40)).astype(np.float32)
+        onehot = lambda m: MetaTensor(torch.from_numpy(np.stack([1 - m, m])), affine=affine)  # noqa: E731
+        FakeEngine.state.batch = [{"case_id": case_id}]  # MONAI keeps the inputs' keys in the batch
+        FakeEngine.state.output = [{"pred": onehot(pred), "truth": onehot(truth)}]
+        handler._collect(FakeEngine)
+    handler.write()
+    rows = list(csv.DictReader((tmp_path / "metrics.csv").open()))
+    assert [r["case_id"] for r in rows] == ["A", "B"]
+    assert float(rows[0]["GTV-1_dice"]) == 1.0 and float(rows[1]["GTV-1_dice"]) < 0.7
+    summary = json.loads((tmp_path / "metrics_summary.json").read_text())
+    dice = summary["metrics"]["GTV-1_dice"]
+    assert dice["count"] == 2 and dice["mean"] == pytest.approx((1.0 + float(rows[1]["GTV-1_dice"])) / 2, abs=1e-5)

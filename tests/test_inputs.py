@@ -1,0 +1,56 @@
+"""Inference inputs: which cases an input folder holds, how they are named, and which are skipped and why."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from scripts.inputs import InferenceInputError, find_inputs
+
+
+def tcia_tree(small_cases, root, patients):
+    """``root/<patient>/<series>/image`` copies of the small synthetic CT series."""
+    _, truths = small_cases
+    for (patient, series), truth in zip(patients, truths, strict=False):
+        shutil.copytree(truth["image_dir"], root / patient / series / "image")
+    return root
+
+
+def test_case_ids_follow_the_tcia_tree_and_file_names(small_cases, tmp_path):
+    tcia_tree(small_cases, tmp_path, [("P1", "1.0"), ("P2", "1.0"), ("P2", "2.0")])
+    (tmp_path / "extra").mkdir()
+    import nibabel as nib
+
+    nib.save(nib.Nifti1Image(np.zeros((8, 8, 8), np.int16), np.eye(4)), tmp_path / "extra" / "scan.nii.gz")
+    cases = find_inputs(tmp_path)
+    assert sorted(c["case_id"] for c in cases) == ["P1", "P2_1.0", "P2_2.0", "scan"]
+    assert {c["source"] for c in cases} == {"dicom", "nifti"}
+
+
+def test_a_series_folder_given_directly_is_one_case(small_cases):
+    _, truths = small_cases
+    cases = find_inputs(truths[0]["image_dir"])
+    assert len(cases) == 1 and cases[0]["source"] == "dicom"
+
+
+def test_no_usable_input_is_an_error_that_names_the_folder(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(InferenceInputError, match=str(tmp_path)):
+        find_inputs(tmp_path)
+    with pytest.raises(InferenceInputError, match="no such file or folder"):
+        find_inputs(tmp_path / "missing")
+
+
+def test_a_series_with_a_missing_slice_is_skipped_with_the_reason(small_cases, tmp_path):
+    tcia_tree(small_cases, tmp_path, [("P1", "1"), ("P2", "1")])
+    from scripts.dicom import scan_ct_series
+
+    headers, _ = scan_ct_series(tmp_path / "P2" / "1" / "image")
+    headers[len(headers) // 2][0].unlink()  # a slice in the middle of the volume
+    cases = find_inputs(tmp_path, report_dir=tmp_path / "out")
+    assert [c["case_id"] for c in cases] == ["P1"]
+    report = json.loads((tmp_path / "out" / "inference_report.json").read_text())
+    assert "missing slice" in report["skipped"][0]["reason"]

@@ -1,0 +1,58 @@
+"""Exports of the demo-trained network with MONAI's own commands, from a foreign working directory: the traced
+TorchScript and the ONNX model give the eager network's output, and metadata.json describes the network's input and
+output truthfully (``verify_net_in_out``)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import torch
+from conftest import ROOT, configs
+
+
+def export(demo_run, command: str, filepath, *extra: str) -> tuple[torch.nn.Module, torch.Tensor]:
+    """``monai.bundle <command>`` of the demo network at its patch size; the eager network and a test input."""
+    tmp, _, _ = demo_run
+    weights = tmp / "run" / "model.pt"
+    args = [sys.executable, "-m", "monai.bundle", command, "network_def", "--filepath", str(filepath),
+            "--ckpt_file", str(weights), "--meta_file", str(ROOT / "configs" / "metadata.json"), "--config_file",
+            configs("train.yaml", "demo.yaml", "inference.yaml"), "--bundle_root", str(ROOT), "--use_trace", "True",
+            "--input_shape", "[1,1,64,64,64]", *extra]  # fmt: skip
+    result = subprocess.run(args, cwd=filepath.parent, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    from monai.networks.nets import SwinUNETR
+
+    from scripts.weights import load_weights
+
+    eager = load_weights(SwinUNETR(in_channels=1, out_channels=2, feature_size=12), weights).eval()
+    return eager, torch.rand(1, 1, 64, 64, 64, generator=torch.Generator().manual_seed(0))
+
+
+def test_traced_export_matches_the_eager_network(demo_run, tmp_path):
+    """SwinUNETR cannot be scripted; traced at the patch size it is, and gives the eager network's output."""
+    eager, x = export(demo_run, "ckpt_export", tmp_path / "model.ts")
+    traced = torch.jit.load(str(tmp_path / "model.ts")).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(traced(x), eager(x), rtol=1e-4, atol=1e-4)
+
+
+def test_onnx_export_matches_the_eager_network(demo_run, tmp_path):
+    import onnxruntime
+
+    eager, x = export(demo_run, "onnx_export", tmp_path / "model.onnx")
+    session = onnxruntime.InferenceSession(str(tmp_path / "model.onnx"), providers=["CPUExecutionProvider"])
+    with torch.no_grad():
+        expected = eager(x).numpy()
+    actual = session.run(None, {session.get_inputs()[0].name: x.numpy()})[0]
+    np.testing.assert_allclose(actual, expected, rtol=1e-3, atol=1e-3)
+
+
+def test_inference_network_matches_the_metadata(tmp_path):
+    """``verify_net_in_out``: metadata.json's input/output description fits the inference config's network."""
+    args = [sys.executable, "-m", "monai.bundle", "verify_net_in_out", "network_def", "--meta_file",
+            str(ROOT / "configs" / "metadata.json"), "--config_file", configs("train.yaml", "inference.yaml"),
+            "--bundle_root", str(ROOT), "--feature_size", "12"]  # fmt: skip
+    result = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and "verified with no error" in result.stdout + result.stderr, result.stderr[-2000:]

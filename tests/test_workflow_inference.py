@@ -1,0 +1,150 @@
+"""inference.yaml with the demo-trained network, through MONAI's CLI from a foreign working directory.
+
+New synthetic DICOM series go in; the DICOM SEG written must read back voxel for voxel as the NIfTI written,
+reference the source CT and find the tumour; NIfTI input gives the same answer; bad inputs are skipped and named.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import highdicom as hd
+import nibabel as nib
+import numpy as np
+import pytest
+import torch
+from conftest import ROOT, bundle_run, configs
+
+from scripts.dicom import read_ct_series, read_seg_labels
+from scripts.synthetic import generate
+
+# inference with the demo's weights: the demo's settings come from demo.yaml, layered as in training
+DEMO_INFERENCE = configs("train.yaml", "demo.yaml", "inference.yaml")
+
+
+def dice(a: np.ndarray, b: np.ndarray) -> float:
+    return 2.0 * np.logical_and(a, b).sum() / (a.sum() + b.sum())
+
+
+@pytest.fixture(scope="module")
+def inferred(demo_run, tmp_path_factory):
+    """Two unseen synthetic DICOM cases, one of them also as NIfTI, and three bad inputs."""
+    tmp, _, _ = demo_run
+    inputs = tmp_path_factory.mktemp("infer_in")
+    truths = generate(inputs / "tcia", num_cases=2, shape=(128, 128, 40), seed=777, tumour_hu=400)
+    ct = read_ct_series(truths[0]["image_dir"])
+    as_nifti = nib.Nifti1Image(ct.hu, ct.affine_ras)
+    nib.save(as_nifti, inputs / "first_case.nii.gz")
+    (inputs / "no_ct_here").mkdir()
+    (inputs / "no_ct_here" / "notes.txt").write_text("not a CT")
+    (inputs / "one_slice").mkdir()
+    shutil.copy(ct.files[0], inputs / "one_slice" / "1-001.dcm")
+    nib.save(nib.Nifti1Image(np.zeros((8, 8, 8, 2), np.int16), np.eye(4)), inputs / "four_d.nii.gz")
+    out = tmp_path_factory.mktemp("infer_out")
+    weights = str(tmp / "run" / "model.pt")
+    result = bundle_run("inference", "--config_file", DEMO_INFERENCE, "--input_dir", str(inputs), "--output_dir",
+                        str(out), "--model_path", weights, "--num_workers", "0")  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return truths, inputs, out, result
+
+
+def test_inference_writes_a_dicom_seg_that_matches_the_nifti_and_references_the_ct(inferred):
+    truths, _, out, result = inferred
+    for truth in truths:
+        case = truth["patient_id"]
+        nifti = nib.load(out / case / f"{case}_seg.nii.gz")
+        seg_file = out / case / f"{case}_seg.dcm"
+        ct = read_ct_series(truth["image_dir"])
+        assert np.allclose(nifti.affine, ct.affine_ras, atol=1e-4), "NIfTI on the CT's own grid"
+        prediction = np.asarray(nifti.dataobj)
+        seg = hd.seg.segread(seg_file)
+        assert seg.FrameOfReferenceUID == ct.frame_of_reference_uid
+        assert seg.ReferencedSeriesSequence[0].SeriesInstanceUID == ct.series_uid
+        referenced = {i.ReferencedSOPInstanceUID for i in seg.ReferencedSeriesSequence[0].ReferencedInstanceSequence}
+        assert referenced <= set(ct.sop_instance_uids)
+        segment = seg.SegmentSequence[0]
+        assert segment.SegmentLabel == "GTV-1" and segment.SegmentAlgorithmType == "AUTOMATIC"
+        assert segment.SegmentedPropertyTypeCodeSequence[0].CodeMeaning == "Neoplasm"
+        decoded, _ = read_seg_labels(seg_file, ct, ["GTV-1"])  # frames placed by the instances they reference
+        np.testing.assert_array_equal(decoded, prediction)
+        truth_label, _ = read_seg_labels(truth["seg_file"], ct, ["GTV-1"])
+        assert dice(prediction == 1, truth_label == 1) > 0.6, f"{case}: the tumour is found in an unseen case"
+    assert "s per case" in result.stdout
+
+
+def test_inference_gives_the_same_answer_for_nifti_and_dicom_input(inferred):
+    truths, _, out, _ = inferred
+    from_dicom = np.asarray(nib.load(out / truths[0]["patient_id"] / f"{truths[0]['patient_id']}_seg.nii.gz").dataobj)
+    from_nifti = nib.load(out / "first_case" / "first_case_seg.nii.gz")
+    np.testing.assert_array_equal(np.asarray(from_nifti.dataobj), from_dicom)
+    assert not (out / "first_case" / "first_case_seg.dcm").exists(), "no DICOM SEG without a DICOM source"
+
+
+def test_inference_skips_bad_inputs_and_names_them(inferred):
+    _, inputs, out, result = inferred
+    report = json.loads((out / "inference_report.json").read_text())
+    reasons = {r["input"]: r["reason"] for r in report["skipped"]}
+    assert "no CT series" in reasons[str(inputs / "no_ct_here")]
+    assert "only 1 slice" in reasons[str(inputs / "one_slice")]
+    assert "3D CT" in reasons[str(inputs / "four_d.nii.gz")]
+    assert len(report["cases"]) == 3
+    assert "skipped 3" in result.stdout
+
+
+def test_inference_refuses_weights_trained_for_other_labels(demo_run, root, tmp_path):
+    tmp, _, _ = demo_run
+    inputs = tmp / "data"
+    result = bundle_run("inference", "--config_file", DEMO_INFERENCE, "--input_dir", str(inputs),
+                        "--output_dir", str(tmp_path), "--model_path", str(tmp / "run" / "model.pt"),
+                        "--labels", "['Heart']", "--num_workers", "0", timeout=300)  # fmt: skip
+    assert result.returncode != 0
+    assert "was trained for labels ['GTV-1']" in result.stdout + result.stderr
+    assert str(tmp / "run" / "model.pt") in result.stdout + result.stderr
+
+
+def test_inference_config_satisfies_monai_inference_properties(demo_run, tmp_path):
+    from monai.bundle import ConfigWorkflow
+
+    tmp, _, _ = demo_run
+    workflow = ConfigWorkflow(
+        config_file=[str(ROOT / "configs" / c) for c in ("train.yaml", "demo.yaml", "inference.yaml")],
+        workflow_type="infer",
+        bundle_root=str(ROOT),
+        input_dir=str(tmp / "data"),
+        output_dir=str(tmp_path),
+        model_path=str(tmp / "run" / "model.pt"),
+    )
+    workflow.initialize()
+    assert workflow.check_properties() == []
+
+
+def keep_largest(labels: np.ndarray, keep: int, names: list[str]) -> np.ndarray:
+    """The largest-component step of train.yaml's inverse post-processing (what evaluate and inference apply)."""
+    from monai.bundle import ConfigParser
+    from monai.transforms import KeepLargestConnectedComponentd
+
+    parser = ConfigParser()
+    parser.read_config(str(ROOT / "configs" / "train.yaml"))
+    parser.update({"bundle_root": str(ROOT), "labels": names, "keep_largest_components": keep})
+    step = next(
+        t for t in parser.get_parsed_content("inverse_postprocessing") if isinstance(t, KeepLargestConnectedComponentd)
+    )
+    return np.asarray(step({"pred": torch.as_tensor(labels[None])})["pred"][0])
+
+
+def test_keep_largest_components_per_structure():
+    labels = np.zeros((20, 20, 20), np.uint8)
+    labels[1:6, 1:6, 1:6] = 1  # 125 voxels
+    labels[10:12, 10:12, 10:12] = 1  # 8 voxels: a stray island
+    labels[15:18, 1:4, 1:4] = 2  # another structure: kept on its own account
+    kept = keep_largest(labels, 1, ["GTV-1", "Heart"])
+    assert (kept == 1).sum() == 125 and (kept == 2).sum() == 27
+    assert (keep_largest(labels, 2, ["GTV-1", "Heart"]) == labels).all()
+    assert (keep_largest(labels, 0, ["GTV-1", "Heart"]) == labels).all(), "0: the raw argmax"
+
+
+def test_diagonal_neighbours_are_one_component():
+    labels = np.zeros((6, 6, 6), np.uint8)
+    labels[1, 1, 1] = labels[2, 2, 2] = 1  # touch at a corner: 26-connected
+    assert (keep_largest(labels, 1, ["GTV-1"]) == labels).all()

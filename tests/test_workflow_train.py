@@ -1,0 +1,170 @@
+"""train.yaml through MONAI's own CLI: the shipped demo learns, a killed run resumes exactly, and wrong settings fail
+before any data is touched -- from a working directory that is not the bundle."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import DEMO, ROOT, bundle_run, demo_args, train_workflow
+from monai.bundle import ConfigWorkflow
+
+from scripts.config import ConfigError
+
+
+def causes(error: BaseException) -> list[BaseException]:
+    """The error and the ones it was raised from (MONAI wraps a config expression's error in a RuntimeError)."""
+    chain = [error]
+    while chain[-1].__cause__ is not None:
+        chain.append(chain[-1].__cause__)
+    return chain
+
+
+def best_dice(stdout: str) -> float:
+    match = re.search(r"best validation Dice ([0-9.]+) at epoch (\d+)", stdout)
+    assert match, stdout[-3000:]
+    return float(match.group(1))
+
+
+def trained_epochs(output: str) -> list[int]:
+    """Epochs whose training loop ran, from ignite/MONAI's 'Epoch[k] Complete' log lines."""
+    return sorted({int(e) for e in re.findall(r"SupervisedTrainer - INFO - Epoch\[(\d+)\] Complete", output)})
+
+
+def test_demo_learns_the_synthetic_tumour(demo_run):
+    _, result, _ = demo_run
+    assert best_dice(result.stdout) > 0.85  # the demo's target, as shipped
+
+
+def test_demo_writes_only_under_its_run_folder(demo_run, root):
+    tmp, _, before = demo_run
+    assert (tmp / "run" / "model.pt").is_file()
+    assert list((tmp / "run").glob("events.out.tfevents.*")), "TensorBoard logs"
+    device = json.loads((tmp / "run" / "device_report.json").read_text())
+    assert device["backend"] == "cpu" and "MIOPEN_FIND_MODE" not in device["settings"]
+    state = torch.load(tmp / "run" / "checkpoints" / "latest.pt", weights_only=True)
+    assert state["trainer"]["epoch"] == 10
+    weights = root / "models" / "model.pt"
+    assert (weights.stat().st_mtime_ns if weights.exists() else None) == before, "models/model.pt was touched"
+    report = json.loads((tmp / "prepared" / "prepare_report.json").read_text())
+    assert report["num_rejected"] == 0 and report["num_cases"] == 10
+
+
+def test_validation_picture_reaches_tensorboard(demo_run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tmp, _, _ = demo_run
+    tags = []
+    for events in (tmp / "run").glob("events.out.tfevents.*"):
+        accumulator = EventAccumulator(str(events), size_guidance={"images": 0})
+        accumulator.Reload()
+        tags += accumulator.Tags()["images"]
+    assert any(tag.startswith("validation/") for tag in tags), tags
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory, demo_run) -> dict[str, Path | str]:
+    """Two epochs straight through; the same run (started with --resume true and no checkpoint yet) killed during
+    epoch 2; then resumed. Mechanics only: a few small cases, one patch per step."""
+    demo_tmp, _, _ = demo_run
+    tmp = tmp_path_factory.mktemp("resume")
+    shared = {"dataset_dir": demo_tmp / "data", "prepared_dir": demo_tmp / "prepared", "max_epochs": 2}
+    straight = bundle_run(*demo_args(tmp / "a", **shared))
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    latest = tmp / "b" / "run" / "checkpoints" / "latest.pt"
+    # started as model-zoo READMEs spell it: `run training`
+    command = [sys.executable, "-m", "monai.bundle", "run", "training", *demo_args(tmp / "b", resume="true", **shared),
+               "--bundle_root", str(ROOT)]  # fmt: skip
+    log = tmp / "killed.log"
+    with log.open("w") as out:
+        crashed = subprocess.Popen(command, cwd=tmp, stdout=out, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 600
+        while not latest.exists() and crashed.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        crashed.kill()
+        crashed.wait()
+    second = bundle_run(*demo_args(tmp / "b", resume="true", **shared))
+    assert second.returncode == 0, second.stderr[-3000:]
+    return {"a": tmp / "a", "b": tmp / "b", "killed_log": log.read_text(), "second_log": second.stdout + second.stderr}
+
+
+def test_resume_continues_the_epoch_count_and_matches_an_uninterrupted_run(resumed):
+    latest = resumed["b"] / "run" / "checkpoints" / "latest.pt"
+    assert latest.exists()
+    log = resumed["second_log"]
+    assert "resumed from" in log
+    assert trained_epochs(log) == [2], "the resumed run trains epoch 2 only"
+    a = torch.load(resumed["a"] / "run" / "checkpoints" / "latest.pt", weights_only=True)
+    b = torch.load(latest, weights_only=True)
+    assert a["trainer"] == b["trainer"] and b["trainer"]["epoch"] == 2
+    for name, tensor in a["network"].items():
+        torch.testing.assert_close(b["network"][name], tensor, msg=f"{name} differs after resume")
+    assert a["lr_scheduler"] == b["lr_scheduler"]
+
+
+def test_resume_without_a_checkpoint_starts_fresh(resumed):
+    assert "starting from epoch 1" in resumed["killed_log"]
+    assert trained_epochs(resumed["killed_log"])[:1] == [1]
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ({"roi_size": [48, 48, 48]}, "multiple of 32"),
+        ({"labels": ["Tumour"]}, "not a segment of NSCLC-Radiomics"),
+        ({"hu_window": [500, -1000]}, "lower < upper"),
+    ],
+)
+def test_wrong_config_values_fail_fast_with_what_to_change(tmp_path, override, message):
+    workflow = ConfigWorkflow(
+        config_file=[str(ROOT / "configs" / c) for c in ("train.yaml", "demo.yaml")],
+        workflow_type="train",
+        bundle_root=str(ROOT),
+        dataset_dir=str(tmp_path / "data"),
+        **override,
+    )
+    with pytest.raises(RuntimeError) as raised:
+        workflow.initialize()
+    assert any(isinstance(e, ConfigError) and message in str(e) for e in causes(raised.value)), raised.value
+    assert not (tmp_path / "data").exists(), "the check runs before any data is generated"
+
+
+def test_a_wrong_value_ends_the_command_with_an_error_status(tmp_path):
+    result = bundle_run(*demo_args(tmp_path), "--roi_size", "[48,48,48]", timeout=300)
+    assert result.returncode != 0
+    assert "multiple of 32" in result.stderr + result.stdout
+    assert not (tmp_path / "data").exists(), "the check runs before any data is generated"
+
+
+def test_a_wrong_bundle_root_says_what_to_pass(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "monai.bundle", "run", "--config_file", DEMO, "--bundle_root", str(tmp_path)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode != 0
+    assert "scripts does not exist" in result.stderr and "--bundle_root" in result.stderr
+
+
+def test_check_properties_pass_for_train_and_demo(demo_run):
+    tmp, _, _ = demo_run
+    for configs_ in (["train.yaml"], ["train.yaml", "demo.yaml"]):
+        workflow = train_workflow(configs_, tmp, tmp / "props")
+        assert workflow.check_properties() == []
+
+
+def test_every_switch_is_read_once_as_a_boolean():
+    """Each on/off id of every config has its flag#<id> entry: a switch that skipped it would read "false" as true."""
+    import yaml
+
+    for path in sorted((ROOT / "configs").glob("*.yaml")):
+        config = yaml.safe_load(path.read_text())
+        switches = [k for k, v in config.items() if isinstance(v, bool) and "#" not in k]
+        flags = set((config.get("flag") or {}).keys()) | {k.split("#", 1)[1] for k in config if k.startswith("flag#")}
+        missing = [k for k in switches if k not in flags]
+        assert not missing, f"{path.name}: {missing} have no flag# entry"
