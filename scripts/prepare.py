@@ -51,6 +51,7 @@ logger = logging.getLogger(__name__)
 DATALIST = "datalist.json"
 REPORT = "prepare_report.json"
 USUAL_ORIENTATION = "LPS"  # NIfTI axis codes of an axial CT with ImageOrientationPatient [1,0,0,0,1,0], head up
+CASES_PER_WORKER = 8
 
 
 class PrepareError(RuntimeError):
@@ -140,7 +141,9 @@ def _convert(
     todo: list[dict], output_dir: Path, labels: list[str], compress: bool, num_workers: int | None, progress: bool
 ) -> list[dict]:
     """:func:`prepare_case` for every case of ``todo``, in worker processes when there are several."""
-    workers = min(num_workers if num_workers is not None else (os.cpu_count() or 1), max(len(todo), 1))
+    # a worker process costs seconds to start (it imports the launching program -- torch and MONAI under
+    # `monai.bundle run`), about as much as converting a few cases: each worker gets CASES_PER_WORKER at least
+    workers = min(num_workers if num_workers is not None else (os.cpu_count() or 1), len(todo) // CASES_PER_WORKER)
     records = []
     with tqdm(total=len(todo), desc="prepare", unit="case", disable=not progress or not todo) as bar:
         if workers <= 1:

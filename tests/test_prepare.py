@@ -13,6 +13,7 @@ import numpy as np
 import pydicom
 import pytest
 
+import scripts.prepare
 from scripts.prepare import PrepareError, find_cases, prepare, split_cases
 from scripts.synthetic import tumour_contains, write_case
 
@@ -79,7 +80,9 @@ def messy_dataset(tmp_path_factory) -> tuple[Path, dict]:
 def prepared(messy_dataset, tmp_path_factory):
     root, info = messy_dataset
     out = tmp_path_factory.mktemp("prepared")
-    report = prepare(root, out, labels=["GTV-1"], num_workers=2, progress=False)
+    with pytest.MonkeyPatch.context() as patch:  # two worker processes even for these few cases
+        patch.setattr(scripts.prepare, "CASES_PER_WORKER", 1)
+        report = prepare(root, out, labels=["GTV-1"], num_workers=2, progress=False)
     return out, report, info
 
 
