@@ -85,21 +85,24 @@ class CaseMetrics:
         return png_bytes(render_case(ct, truth, pred, affine, self.hu_window, title=case_id_of(item)))
 
     def write(self, engine: Engine | None = None) -> None:
+        failed = list(getattr(engine, "failures", []))  # cases the evaluator recorded and skipped (CaseByCaseEvaluator)
         if world_size() > 1:  # each rank evaluated its own cases: rank 0 writes them all
             gathered: list = [None] * world_size()
-            torch.distributed.all_gather_object(gathered, (self.rows, self._png))
-            self.rows = sorted((r for rows, _ in gathered for r in rows), key=lambda r: r["case_id"])
-            self._png = {k: v for _, png in gathered for k, v in png.items()}
-        if not self.enabled or not self.rows:
+            torch.distributed.all_gather_object(gathered, (self.rows, self._png, failed))
+            self.rows = sorted((r for rows, _, _ in gathered for r in rows), key=lambda r: r["case_id"])
+            self._png = {k: v for _, png, _ in gathered for k, v in png.items()}
+            failed = [f for _, _, fails in gathered for f in fails]
+        if not self.enabled or not (self.rows or failed):
             return
         self.output_dir.mkdir(parents=True, exist_ok=True)
-        columns = [c for c in self.rows[0] if c != "case_id"]
+        columns = [c for c in self.rows[0] if c != "case_id"] if self.rows else []
         write_text(self.output_dir / "metrics.csv", _csv_text(self.rows, ["case_id", *columns]))
         summary = {
             "num_cases": len(self.rows),
             "labels": self.labels,
             "surface_dice_tolerance_mm": self.tolerance_mm,
             "metrics": summarize(self.rows, columns),
+            "failed": failed,  # cases not evaluated: stage and reason (the command exits with status 1)
         }
         write_json(self.output_dir / "metrics_summary.json", summary)
         dice = {r["case_id"]: np.nanmean([r[f"{n}_dice"] for n in self.labels] or [np.nan]) for r in self.rows}
@@ -113,7 +116,8 @@ class CaseMetrics:
         means = {c: s.get("mean") for c, s in summary["metrics"].items() if c.endswith(("_dice", "_hd95_mm"))}
         logger.info("%d cases: %s -> %s", len(self.rows), means, self.output_dir / "metrics.csv")
         shown = ", ".join(f"mean {k} {v:.4f}" for k, v in means.items() if v is not None)
-        print(f"evaluated {len(self.rows)} cases: {shown}; per case: {self.output_dir / 'metrics.csv'}")
+        print(f"evaluated {len(self.rows)} cases: {shown}; per case: {self.output_dir / 'metrics.csv'}"
+              + (f"; {len(failed)} failed (see metrics_summary.json)" if failed else ""))  # fmt: skip
 
 
 def _load_volume(source, shape: tuple[int, ...]) -> np.ndarray | None:

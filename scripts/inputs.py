@@ -10,10 +10,9 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,15 +20,18 @@ import nibabel as nib
 import numpy as np
 import pydicom
 import torch
-from monai.data import MetaTensor
-from monai.transforms import MapTransform
+from monai.data import Dataset, MetaTensor
+from monai.transforms import MapTransform, apply_transform
 from pydicom.errors import InvalidDicomError
 
 from scripts.dicom import DicomCaseError, read_ct_series, scan_ct_series
+from scripts.dicom.ct import CT_IMAGE_STORAGE, ENHANCED_CT_STORAGE
+from scripts.files import check_case_name, display_name, write_json
 
 logger = logging.getLogger(__name__)
 
 NIFTI_SUFFIXES = (".nii", ".nii.gz")
+REPORT = "inference_report.json"
 
 
 class InferenceInputError(ValueError):
@@ -39,55 +41,117 @@ class InferenceInputError(ValueError):
 def find_inputs(input_dir: str | Path, report_dir: str | Path | None = None) -> list[dict]:
     """Cases under ``input_dir`` as ``{"image": path, "case_id": ..., "source": "dicom" | "nifti"}``.
 
-    Bad inputs are logged and skipped; with ``report_dir`` the found and skipped inputs are written to
-    ``<report_dir>/inference_report.json``. Raises :class:`InferenceInputError` when nothing usable is found.
+    Every CT series folder and NIfTI file is a case; each is checked from its headers first, and one that cannot
+    work is recorded as failed at the ``check`` stage (with the reason naming the file) and not returned. Folders
+    holding neither are listed as skipped. With ``report_dir`` all of it goes to
+    ``<report_dir>/inference_report.json``, which the run completes case by case. Raises
+    :class:`InferenceInputError` when no case can be run at all.
     """
     root = Path(input_dir)
     if not root.exists():
         raise InferenceInputError(f"--input_dir {root}: no such file or folder.")
-    candidates: list[tuple[Path, str]] = []
-    skipped: list[dict] = []
-    if root.is_file():
-        candidates.append((root, "nifti" if _is_nifti(root) else "unknown"))
-    else:
-        covered: set[Path] = set()
-        for folder, dirs, files in os.walk(root, followlinks=True):  # linked case folders are inputs too
-            dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-            folder = Path(folder)
-            for name in sorted(files):
-                if _is_nifti(folder / name):
-                    candidates.append((folder / name, "nifti"))
-                    covered.add(folder)
-            if _is_ct_folder(folder, files):
-                candidates.append((folder, "dicom"))
-                covered.add(folder)
-        for child in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):
-            if not any(c == child or child in c.parents for c in covered):
-                skipped.append({"input": str(child), "reason": f"{child}: no CT series (DICOM, Modality CT) or NIfTI."})
-
-    cases = []
-    for path, source in candidates:
-        try:
-            _check_input(path, source)
-        except (DicomCaseError, InferenceInputError) as err:
-            skipped.append({"input": str(path), "reason": str(err)})
-            continue
-        cases.append({"image": str(path), "source": source, "case_id": ""})
+    candidates, skipped = _candidates(root)
+    cases = [{"image": str(path), "source": source, "case_id": ""} for path, source in candidates]
     _name_cases(cases, root)
+    runnable, failed = [], []
+    for case in cases:
+        try:
+            check_case_name(case["case_id"])
+            _check_input(Path(case["image"]), case["source"])
+        except (DicomCaseError, InferenceInputError, ValueError) as err:
+            reason = str(err) if case["image"] in str(err) else f"{display_name(case['image'])}: {err}"
+            failed.append({**case, "status": "failed", "stage": "check", "reason": reason})
+            logger.error("failed: %s", reason)
+            continue
+        runnable.append(case)
     for entry in skipped:
-        logger.error("skipped: %s", entry["reason"])
+        logger.warning("skipped: %s", entry["reason"])
     if report_dir is not None:
-        report = Path(report_dir) / "inference_report.json"
-        report.parent.mkdir(parents=True, exist_ok=True)
-        report.write_text(json.dumps({"input_dir": str(root), "cases": cases, "skipped": skipped}, indent=2))
-    if not cases:
-        detail = "; ".join(e["reason"] for e in skipped) or "it is empty"
+        records = [{**c, "status": "pending"} for c in runnable] + failed
+        write_report(report_dir, {"input_dir": str(root), "cases": records, "skipped": skipped})
+    if not runnable:
+        detail = "; ".join(e["reason"] for e in failed + skipped) or "it is empty"
         raise InferenceInputError(
             f"--input_dir {root}: no usable input ({detail}). Give a folder of CT series folders (DICOM), a TCIA "
             "tree <PatientID>/<SeriesNumber>/image/, or NIfTI files (.nii.gz)."
         )
-    logger.info("%d case(s) to infer under %s, %d skipped", len(cases), root, len(skipped))
-    return cases
+    logger.info("%d case(s) to infer under %s; %d failed their check, %d skipped", len(runnable), root, len(failed),
+                len(skipped))  # fmt: skip
+    return runnable
+
+
+def write_report(folder: str | Path, report: dict) -> Path:
+    """``<folder>/inference_report.json`` (atomically): every case with its outcome, and the skipped inputs."""
+    return write_json(Path(folder) / REPORT, report)
+
+
+def _candidates(root: Path) -> tuple[list[tuple[Path, str]], list[dict]]:
+    """(path, source) of every NIfTI file and CT series folder under ``root`` (links followed, each real folder
+    visited once, so a link loop cannot list a case twice), and the top-level folders that hold neither."""
+    if root.is_file():
+        return [(root, "nifti" if _is_nifti(root) else "unknown")], []
+    candidates: list[tuple[Path, str]] = []
+    covered: set[Path] = set()
+    visited: set[str] = set()
+    for folder, dirs, files in os.walk(root, followlinks=True):  # linked case folders are inputs too
+        real = os.path.realpath(folder)
+        if real in visited:
+            dirs[:] = []
+            continue
+        visited.add(real)
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        folder = Path(folder)
+        for name in sorted(files):
+            if _is_nifti(folder / name):
+                candidates.append((folder / name, "nifti"))
+                covered.add(folder)
+        if _is_ct_folder(folder, files):
+            candidates.append((folder, "dicom"))
+            covered.add(folder)
+    skipped = [
+        {"input": display_name(str(child)), "reason": f"{display_name(str(child))}: no CT series (DICOM) or NIfTI."}
+        for child in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+        if not any(c == child or child in c.parents for c in covered)
+    ]
+    return candidates, skipped
+
+
+class CaseDataset(Dataset):
+    """A MONAI ``Dataset`` in which a case that fails never stops the run: ``load`` then ``transform`` are applied
+    per case, and an exception in either becomes the case's failure record (``failure_stage`` = ``read`` or
+    ``preprocess``, ``failure_reason`` = the error's own message, which names the file) that
+    :class:`scripts.evaluators.CaseByCaseEvaluator` records and skips. Works in DataLoader worker processes: the
+    record travels in the batch."""
+
+    def __init__(self, data: Sequence[dict], transform: Callable | None = None, load: Callable | None = None) -> None:
+        super().__init__(data=data, transform=transform)
+        self.load = load
+
+    def _transform(self, index: int) -> dict:
+        item = dict(self.data[index])
+        for stage, step in (("read", self.load), ("preprocess", self.transform)):
+            if step is None:
+                continue
+            try:
+                item = apply_transform(step, item)
+            except Exception as err:  # one case's data must not end the run
+                return failure_record(item, stage, err)
+        return item
+
+
+def failure_record(item: Mapping, stage: str, error: BaseException) -> dict:
+    """What is kept of a failed case: its identity, the stage and the innermost error's message."""
+    keep = {k: item[k] for k in ("case_id", "source", "source_path", "image") if isinstance(item.get(k), str)}
+    return {**keep, "failure_stage": stage, "failure_reason": root_message(error)}
+
+
+def root_message(error: BaseException) -> str:
+    """The message of the error that started it all (MONAI wraps a transform's error in RuntimeErrors)."""
+    while error.__cause__ is not None:
+        error = error.__cause__
+    if isinstance(error, (DicomCaseError, InferenceInputError)):
+        return str(error)
+    return f"{type(error).__name__}: {error}"
 
 
 def load_case(path: str | Path, source: str) -> MetaTensor:
@@ -122,15 +186,17 @@ def _is_nifti(path: Path) -> bool:
 
 
 def _is_ct_folder(folder: Path, files: Sequence[str]) -> bool:
-    """True when the folder's first DICOM file is a CT image (SEG, RTSTRUCT and other files are not inputs)."""
+    """True when the folder holds a CT image (found by SOP Class; other objects and files beside it do not count)."""
     for name in sorted(files):
         if name.startswith(".") or _is_nifti(folder / name) or name.lower().endswith((".json", ".csv", ".txt")):
             continue
         try:
-            ds = pydicom.dcmread(folder / name, stop_before_pixels=True, specific_tags=["Modality"])
+            ds = pydicom.dcmread(folder / name, stop_before_pixels=True, specific_tags=["SOPClassUID"])
         except (InvalidDicomError, OSError, EOFError, ValueError):
             continue
-        return str(ds.get("Modality", "")).upper() == "CT"
+        sop = str(ds.get("SOPClassUID", "") or getattr(ds.get("file_meta"), "MediaStorageSOPClassUID", ""))
+        if sop == CT_IMAGE_STORAGE or sop in ENHANCED_CT_STORAGE:
+            return True
     return False
 
 

@@ -1,13 +1,22 @@
-"""What inference writes per case, and the line it prints at the end.
+"""What inference writes per case, the report of every case's outcome, and the command's exit status.
 
-:class:`SaveCased` writes ``<output_dir>/<case>/<case>_seg.nii.gz`` on the input's own grid and, for DICOM input,
-the DICOM objects of :mod:`scripts.writers` (``<case>_seg.dcm``); :class:`InferenceSummary` times the cases.
+* :class:`SaveCased` writes ``<output_dir>/<case>/<case>_seg.nii.gz`` on the input's own grid and, for DICOM input,
+  the DICOM objects of :mod:`scripts.writers` (``<case>_seg.dcm``). A case's files are written into a hidden folder
+  and moved into place together: a case that fails while writing leaves nothing half-written, and its outputs from
+  an earlier run stay as they were.
+* :class:`InferenceSummary` completes ``inference_report.json`` (written by :func:`scripts.inputs.find_inputs`)
+  case by case -- ``done`` with its files and seconds, or ``failed`` with the stage and the reason -- and prints one
+  line at the end.
+* :func:`exit_on_failures` ends the command with status 1 when any case failed (the others are written), the
+  convention of ``scripts.tcia``'s downloader.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
+import shutil
 import time
 from collections.abc import Hashable, Mapping, Sequence
 from pathlib import Path
@@ -17,11 +26,18 @@ import numpy as np
 from ignite.engine import Engine, Events
 from monai.transforms import MapTransform
 
-from scripts.files import save_nifti
+from scripts.batches import merged_items
+from scripts.files import save_nifti, write_json
 from scripts.geometry import voxel_volume_ml
 from scripts.writers.seg import algorithm_identification, write_dicom_seg
 
 logger = logging.getLogger(__name__)
+
+REPORT = "inference_report.json"
+
+
+class CaseOutputError(RuntimeError):
+    """Writing a case's outputs failed; nothing of it was left behind (the message says what and why)."""
 
 
 class SaveCased(MapTransform):
@@ -49,32 +65,53 @@ class SaveCased(MapTransform):
         if not self.enabled:
             return d
         case_id = str(d["case_id"])
-        folder = self.output_dir / case_id
-        folder.mkdir(parents=True, exist_ok=True)
-        for key in self.key_iterator(d):
-            tensor = d[key]
-            labels = np.asarray(tensor.detach().cpu()).reshape(tensor.shape[-3:]).astype(np.uint8)
-            affine = np.asarray(tensor.meta.get("original_affine", tensor.affine), dtype=float)
-            nifti_path = folder / f"{case_id}_seg.nii.gz"
-            save_nifti(nifti_path, labels, affine)
-            outputs = {"nifti": str(nifti_path)}
-            if self.write_seg and d.get("source") == "dicom":
-                seg_path = folder / f"{case_id}_seg.dcm"
-                write_dicom_seg(labels, d["source_path"], self.labels, seg_path, self.algorithm)
-                outputs["dicom_seg"] = str(seg_path)
-            voxel_ml = voxel_volume_ml(affine)
-            volumes = {n: round(float((labels == i).sum()) * voxel_ml, 3) for i, n in enumerate(self.labels, start=1)}
-            logger.info("%s: %s, volumes (ml) %s", case_id, ", ".join(outputs.values()), volumes)
-            d[f"{key}_files"] = outputs
+        staging = self.output_dir / f".partial-{os.getpid()}-{case_id[:100]}"
+        shutil.rmtree(staging, ignore_errors=True)
+        try:
+            outputs = {}
+            for key in self.key_iterator(d):
+                outputs[key] = self._write(d, d[key], case_id, staging)
+            _move_into_place(staging, self.output_dir / case_id)
+        except Exception as err:
+            raise CaseOutputError(f"{case_id}: writing its outputs to {self.output_dir} failed ({err})") from err
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        final = self.output_dir / case_id
+        for key, files in outputs.items():
+            d[f"{key}_files"] = {kind: str(final / Path(path).name) for kind, path in files.items()}
         return d
+
+    def _write(self, d: dict, tensor, case_id: str, folder: Path) -> dict[str, str]:
+        labels = np.asarray(tensor.detach().cpu()).reshape(tensor.shape[-3:]).astype(np.uint8)
+        affine = np.asarray(tensor.meta.get("original_affine", tensor.affine), dtype=float)
+        files = {"nifti": str(save_nifti(folder / f"{case_id}_seg.nii.gz", labels, affine))}
+        if self.write_seg and d.get("source") == "dicom":
+            seg_path = folder / f"{case_id}_seg.dcm"
+            write_dicom_seg(labels, d["source_path"], self.labels, seg_path, self.algorithm)
+            files["dicom_seg"] = str(seg_path)
+        voxel_ml = voxel_volume_ml(affine)
+        volumes = {n: round(float((labels == i).sum()) * voxel_ml, 3) for i, n in enumerate(self.labels, start=1)}
+        logger.info("%s: %s, volumes (ml) %s", case_id, ", ".join(Path(f).name for f in files.values()), volumes)
+        return files
+
+
+def _move_into_place(staging: Path, final: Path) -> None:
+    """The staged case folder replaces ``final`` (an earlier run's outputs are removed only once the new ones are
+    complete)."""
+    backup = final.with_name(f".old-{os.getpid()}-{final.name[:100]}")
+    if final.exists():
+        os.replace(final, backup)
+    os.replace(staging, final)
+    shutil.rmtree(backup, ignore_errors=True)
 
 
 class InferenceSummary:
-    """Evaluator handler: times each case and prints one line at the end (cases, seconds per case, output folder)."""
+    """Evaluator handler: each case's outcome into ``inference_report.json``, and one line at the end (cases done
+    and failed, seconds per case, output folder)."""
 
     def __init__(self, output_dir: str | Path) -> None:
         self.output_dir = Path(output_dir)
-        self.times: list[float] = []
+        self.report: dict = {}
         self._start = self._case_start = 0.0
 
     def attach(self, engine: Engine) -> None:
@@ -84,20 +121,53 @@ class InferenceSummary:
         engine.add_event_handler(Events.COMPLETED, self._completed)
 
     def _started(self, engine: Engine) -> None:
-        self._start, self.times = time.perf_counter(), []
+        path = self.output_dir / REPORT
+        self.report = json.loads(path.read_text()) if path.is_file() else {"cases": [], "skipped": []}
+        self._start = time.perf_counter()
 
     def _case_started(self, engine: Engine) -> None:
         self._case_start = time.perf_counter()
 
     def _case_done(self, engine: Engine) -> None:
-        self.times.append(time.perf_counter() - self._case_start)
+        seconds = round(time.perf_counter() - self._case_start, 2)
+        for item in merged_items(engine):
+            files = {k: v for key, value in item.items() if key.endswith("_files") for k, v in value.items()}
+            self._update(str(item.get("case_id")), status="done", outputs=files, seconds=seconds)
+        for failure in getattr(engine, "failures", [])[len(self._failed()) :]:
+            self._update(failure.get("case_id", "?"), status="failed", stage=failure["stage"],
+                         reason=failure["reason"], seconds=seconds)  # fmt: skip
+        write_json(self.output_dir / REPORT, self.report)
+
+    def _failed(self) -> list[dict]:
+        return [c for c in self.report["cases"] if c.get("status") == "failed" and c.get("stage") != "check"]
+
+    def _update(self, case_id: str, **fields: Any) -> None:
+        for case in self.report["cases"]:
+            if case.get("case_id") == case_id:
+                case.update(fields)
+                return
+        self.report["cases"].append({"case_id": case_id, **fields})
 
     def _completed(self, engine: Engine) -> None:
         total = time.perf_counter() - self._start
-        per_case = total / max(len(self.times), 1)
-        report = self.output_dir / "inference_report.json"
-        skipped = len(json.loads(report.read_text()).get("skipped", [])) if report.is_file() else 0
+        cases = self.report["cases"]
+        done = [c for c in cases if c.get("status") == "done"]
+        failed = [c for c in cases if c.get("status") == "failed"]
+        self.report.update(num_done=len(done), num_failed=len(failed), num_skipped=len(self.report["skipped"]))
+        write_json(self.output_dir / REPORT, self.report)
+        per_case = total / max(len(done) + len(failed), 1)
         print(
-            f"inferred {len(self.times)} case(s) in {total:.1f} s ({per_case:.1f} s per case, loading included) "
-            f"-> {self.output_dir}; skipped {skipped} (see {report.name})"
+            f"inferred {len(done)} case(s) in {total:.1f} s ({per_case:.1f} s per case, loading included) "
+            f"-> {self.output_dir}; failed {len(failed)}, skipped {len(self.report['skipped'])} (see {REPORT})"
         )
+
+
+def exit_on_failures(report_file: str | Path) -> None:
+    """End the command with status 1, naming the failed cases, when the report (``inference_report.json``'s cases,
+    ``metrics_summary.json``'s ``failed``) lists any; otherwise do nothing."""
+    path = Path(report_file)
+    report = json.loads(path.read_text()) if path.is_file() else {}
+    failed = report.get("failed", []) + [c for c in report.get("cases", []) if c.get("status") == "failed"]
+    if failed:
+        names = ", ".join(f"{c.get('case_id')} ({c.get('stage')})" for c in failed[:10])
+        raise SystemExit(f"{len(failed)} case(s) failed: {names}; the reasons are in {report_file}")

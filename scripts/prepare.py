@@ -20,9 +20,11 @@ requested structure is empty (NSCLC-Radiomics holds post-operative scans without
 orientation (rows/columns flipped, as for some prone or feet-first scans) is kept -- its affine places it correctly and
 training reorients to RAS -- and noted, so that a user checking the data knows which cases to look at.
 
-DICOM is parsed here once; training reads only the NIfTI files. A re-run skips cases whose outputs are newer than
-their inputs (and were made for the same labels). Every file is written under a temporary name and renamed, so a
-killed run never leaves a half-written file behind.
+DICOM is parsed here once; training reads only the NIfTI files. A re-run skips cases that were prepared for the same
+labels and whose folder still holds the same files (names, sizes and headers: :func:`scripts.files.fingerprint`;
+modification times are not trusted). A case whose name is not valid UTF-8 or too long for the output file names is
+rejected with the reason. Every file is written under a temporary name and renamed, so a killed run never leaves a
+half-written file behind.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from tqdm import tqdm
 
 from scripts.config import as_bool
 from scripts.dicom import DicomCaseError, find_seg_file, read_case
-from scripts.files import save_nifti, write_json
+from scripts.files import check_case_name, display_name, fingerprint, save_nifti, write_json
 from scripts.geometry import voxel_volume_ml
 from scripts.labels import COLLECTION, check_labels
 
@@ -120,7 +122,7 @@ def prepare(
 
 
 def _reuse_up_to_date(
-    cases: list[dict], output_dir: Path, labels: list[str], compress_images: bool
+    cases: list[dict], output_dir: Path, labels: list[str], compress: bool
 ) -> tuple[dict[str, dict], list[dict]]:
     """Records of the cases a previous run prepared for the same labels and whose outputs are up to date, and the
     cases still to convert."""
@@ -130,7 +132,7 @@ def _reuse_up_to_date(
     todo = []
     for case in cases:
         old = old_records.get(case["case_id"])
-        if old and old.get("status") in ("prepared", "up_to_date") and _up_to_date(case, output_dir, compress_images):
+        if old and old.get("status") in ("prepared", "up_to_date") and _up_to_date(case, old, output_dir, compress):
             records[case["case_id"]] = {**old, "status": "up_to_date"}
         else:
             todo.append(case)
@@ -163,7 +165,7 @@ def _convert(
 def _log_outcomes(records: list[dict]) -> None:
     for record in records:
         if record["status"] == "rejected":
-            logger.warning("rejected %s: %s", record["case_id"], record["reason"])
+            logger.warning("rejected %s: %s", display_name(record["case_id"]), record["reason"])
         for note in record.get("notes", []):
             logger.info("note %s: %s", record["case_id"], note)
 
@@ -214,6 +216,12 @@ def prepare_case(case: dict, output_dir: str | Path, labels: Sequence[str], comp
     series_dir = Path(case["path"])
     record = {**case, "status": "rejected"}
     try:
+        check_case_name(case["case_id"])
+    except ValueError as err:
+        record["reason"] = f"{display_name(case['case_id'])}: {err}; the case is left out"
+        return record
+    try:
+        record["fingerprint"] = fingerprint(series_dir)  # before reading: a change while converting shows next run
         seg_file = find_seg_file(series_dir / "seg")
         image_dir = series_dir / "image"
         if not image_dir.is_dir():
@@ -239,7 +247,7 @@ def prepare_case(case: dict, output_dir: str | Path, labels: Sequence[str], comp
 
     spacing = [round(s, 4) for s in volumes.info["spacing"]]
     orientation = "".join(nib.aff2axcodes(volumes.affine))
-    notes = []
+    notes = list(volumes.info.get("notes", []))
     if orientation != USUAL_ORIENTATION:
         notes.append(
             f"stored in {orientation} orientation, not the usual {USUAL_ORIENTATION} (flipped or rotated rows/columns, "
@@ -266,7 +274,8 @@ def split_cases(records: Sequence[dict], val_fraction: float, test_fraction: flo
     Patients are ordered by ``sha256(f"{seed}:{patient_id}")``: the split is the same on every machine, and adding
     or removing a case moves few others. All series of a patient land in the same list (no leakage).
     """
-    patients = sorted({r["patient_id"] for r in records}, key=lambda p: hashlib.sha256(f"{seed}:{p}".encode()).digest())
+    order = lambda p: hashlib.sha256(f"{seed}:".encode() + os.fsencode(p)).digest()  # noqa: E731 (bytes: any name)
+    patients = sorted({r["patient_id"] for r in records}, key=order)
     n = len(patients)
     n_test = round(n * test_fraction)
     n_val = round(n * val_fraction)
@@ -293,12 +302,12 @@ def _outputs(case: dict, output_dir: Path, compress_images: bool) -> tuple[Path,
     return image, output_dir / "labels" / f"{case['case_id']}.nii.gz"
 
 
-def _up_to_date(case: dict, output_dir: Path, compress_images: bool) -> bool:
-    outputs = _outputs(case, output_dir, compress_images)
-    if not all(p.is_file() for p in outputs):
+def _up_to_date(case: dict, old: dict, output_dir: Path, compress_images: bool) -> bool:
+    """True when the outputs exist and the case folder holds what it held when they were made (same files, sizes and
+    headers: see :func:`scripts.files.fingerprint`; modification times are not trusted)."""
+    if not all(p.is_file() for p in _outputs(case, output_dir, compress_images)):
         return False
-    newest_input = max((p.stat().st_mtime for p in Path(case["path"]).rglob("*") if p.is_file()), default=0.0)
-    return min(p.stat().st_mtime for p in outputs) >= newest_input
+    return bool(old.get("fingerprint")) and old["fingerprint"] == fingerprint(case["path"])
 
 
 def _load_json(path: Path) -> dict | None:

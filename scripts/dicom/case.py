@@ -36,5 +36,5 @@ def read_case(image_dir: str | Path, seg_file: str | Path, labels: Sequence[str]
         affine=ct.affine_ras,
         labels=list(labels),
         segments=names,
-        info={"spacing": ct.spacing, "shape": list(ct.hu.shape), "series_uid": ct.series_uid},
+        info={"spacing": ct.spacing, "shape": list(ct.hu.shape), "series_uid": ct.series_uid, "notes": ct.notes},
     )

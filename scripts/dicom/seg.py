@@ -78,16 +78,32 @@ def read_seg_labels(seg_file: str | Path, ct: CtSeries, labels: Sequence[str]) -
 
 
 def find_seg_file(seg_dir: str | Path) -> Path:
-    """The single SEG file in a case's ``seg`` folder (TciaDataset writes one file per SEG series)."""
+    """The single DICOM SEG in a case's ``seg`` folder, found by SOP Class whatever the file names; other objects
+    beside it (an RTSTRUCT, a DICOMDIR, notes) are ignored."""
     seg_dir = Path(seg_dir)
     if not seg_dir.is_dir():
         raise DicomCaseError(f"{seg_dir}: no seg folder; this case has no segmentation to train on.")
-    files = sorted(p for p in seg_dir.iterdir() if p.is_file() and p.suffix.lower() == ".dcm")
-    if not files:
-        raise DicomCaseError(f"{seg_dir}: the seg folder holds no .dcm file; download the case again.")
-    if len(files) > 1:
-        raise DicomCaseError(f"{seg_dir}: {len(files)} SEG files found, expected one; keep the SEG to use.")
-    return files[0]
+    files = sorted(p for p in seg_dir.iterdir() if p.is_file() and not p.name.startswith("."))
+    segs = [p for p in files if sop_class_of(p) == SEG_STORAGE]
+    if not segs:
+        named = [p.name for p in files if p.suffix.lower() == ".dcm"]
+        detail = f" ({', '.join(named[:5])} are not SEG objects)" if named else ""
+        raise DicomCaseError(f"{seg_dir}: the seg folder holds no DICOM SEG{detail}; download the case again.")
+    if len(segs) > 1:
+        raise DicomCaseError(
+            f"{seg_dir}: {len(segs)} DICOM SEG objects ({', '.join(p.name for p in segs)}), expected one; keep the SEG "
+            "to use."
+        )
+    return segs[0]
+
+
+def sop_class_of(path: Path) -> str:
+    """The file's SOP Class UID from its header ('' when it is not DICOM or has none); pixels are not read."""
+    try:
+        ds = pydicom.dcmread(path, stop_before_pixels=True, specific_tags=["SOPClassUID"])
+    except Exception:  # anything unreadable is "not this object"; the caller says what was expected
+        return ""
+    return str(ds.get("SOPClassUID", "") or getattr(ds.get("file_meta"), "MediaStorageSOPClassUID", "") or "")
 
 
 def _read_seg(seg_file: Path) -> pydicom.Dataset:
@@ -137,9 +153,9 @@ def _frame_slices(seg: pydicom.Dataset, ct: CtSeries, seg_file: Path) -> list[tu
     their ``ImagePositionPatient`` onto the CT's slice normal.
     """
     slice_of_uid = {uid: k for k, uid in enumerate(ct.sop_instance_uids)}
-    normal = ct.affine_lps[:3, 2] / np.linalg.norm(ct.affine_lps[:3, 2])
-    origin = ct.affine_lps[:3, 3]
-    step = float(np.linalg.norm(ct.affine_lps[:3, 2]))
+    origin, step = ct.affine_lps[:3, 3], ct.affine_lps[:3, 2]  # slice k lies at origin + k * step (+ in-plane)
+    normal = np.cross(ct.affine_lps[:3, 0], ct.affine_lps[:3, 1])
+    normal /= np.linalg.norm(normal)
     shared = seg.get("SharedFunctionalGroupsSequence", [None])[0]
     result = []
     for i, frame in enumerate(seg.PerFrameFunctionalGroupsSequence):
@@ -162,9 +178,10 @@ def _frame_slices(seg: pydicom.Dataset, ct: CtSeries, seg_file: Path) -> list[tu
             if position is None:
                 raise DicomCaseError(f"{seg_file}: frame {i + 1} has neither a source image nor a position.")
             offset = np.asarray(position, dtype=float) - origin
-            along = float(np.dot(offset, normal)) / step
+            along = float(offset @ normal) / float(step @ normal)
             k = round(along)
-            if abs(along - k) > SLICE_TOLERANCE or np.linalg.norm(offset - np.dot(offset, normal) * normal) > 1e-2:
+            # the frame's first pixel must be slice k's first pixel: same plane and same in-plane grid
+            if abs(along - k) > SLICE_TOLERANCE or np.linalg.norm(offset - k * step) > 1e-2:
                 raise DicomCaseError(
                     f"{seg_file}: frame {i + 1} at {list(position)} mm does not lie on a CT slice; "
                     "the SEG and the CT do not share one grid."

@@ -1,0 +1,98 @@
+"""An evaluator for batches of real-world cases, in which one case never ends the run.
+
+:class:`CaseByCaseEvaluator` is MONAI's ``SupervisedEvaluator`` (same arguments, same handlers) with each iteration
+-- one case: ``batch_size`` 1 -- run on its own. A case whose loading failed arrives as a failure record from
+:class:`scripts.inputs.CaseDataset` (stage ``read`` or ``preprocess``); a case whose prediction, inversion or writing
+raises fails at stage ``predict``, ``postprocess`` or ``write``. Either way the case is appended to ``failures``
+(case id, input, stage, the error's own message), the handlers see an empty output for it (no metric, no row), the
+writer has already removed its partial outputs, and the next case runs. An out-of-memory error in one case is one
+failed case, not a dead run.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from ignite.engine import Engine
+from ignite.metrics import Metric
+from monai.engines import SupervisedEvaluator
+from monai.engines.utils import IterationEvents
+
+from scripts.inputs import failure_record
+from scripts.outputs import CaseOutputError
+
+logger = logging.getLogger(__name__)
+
+
+class CaseByCaseEvaluator(SupervisedEvaluator):
+    """``SupervisedEvaluator`` that records a failing case and goes on (see the module docstring)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        for metric in [
+            *(kwargs.get("key_val_metric") or {}).values(),
+            *(kwargs.get("additional_metrics") or {}).values(),
+        ]:
+            _count_only_cases_that_ran(metric)
+        super().__init__(*args, **kwargs)
+        self.failures: list[dict] = []
+        self._stage = "predict"
+        self.add_event_handler(IterationEvents.FORWARD_COMPLETED, self._predicted)
+
+    def _predicted(self, _engine: Engine) -> None:
+        self._stage = "postprocess"
+
+    def _iteration(self, engine: Engine, batchdata: dict) -> Any:
+        item = _single(batchdata)
+        if item.get("failure_stage"):
+            return self._fail(engine, item, item["failure_stage"], item["failure_reason"])
+        self._stage = "predict"
+        try:
+            return super()._iteration(engine, batchdata)
+        except Exception as err:  # one case's failure must not end the run
+            stage = "write" if _caused_by(err, CaseOutputError) else self._stage
+            return self._fail(engine, item, stage, failure_record(item, stage, err)["failure_reason"])
+
+    def _fail(self, engine: Engine, item: dict, stage: str, reason: str) -> list:
+        record = {k: item[k] for k in ("case_id", "source", "image") if isinstance(item.get(k), str)}
+        record.update(stage=stage, reason=reason)
+        self.failures.append(record)
+        logger.error("case %s failed at %s: %s", record.get("case_id", "?"), stage, reason)
+        engine.state.batch, engine.state.output = [], []
+        return []
+
+
+def _caused_by(error: BaseException | None, kind: type) -> bool:
+    """Whether ``error`` or an error it was raised from is a ``kind`` (MONAI wraps transform errors)."""
+    while error is not None:
+        if isinstance(error, kind):
+            return True
+        error = error.__cause__
+    return False
+
+
+def _count_only_cases_that_ran(metric: Metric) -> None:
+    """The metric skips failed cases (their output is empty) and is NaN when no case ran at all."""
+    update, compute = metric.iteration_completed, metric.completed
+    ran = {"count": 0}
+
+    def iteration_completed(engine: Engine) -> None:
+        if engine.state.output != []:
+            ran["count"] += 1
+            update(engine)
+
+    def completed(engine: Engine, name: Any) -> None:
+        if ran["count"]:
+            compute(engine, name)
+        else:
+            engine.state.metrics[name] = float("nan")
+        ran["count"] = 0
+
+    metric.iteration_completed, metric.completed = iteration_completed, completed
+
+
+def _single(batchdata: Any) -> dict:
+    """The case of a one-case batch as plain values (collation wraps strings in lists)."""
+    if not isinstance(batchdata, dict):
+        return {}
+    return {k: (v[0] if isinstance(v, (list, tuple)) and len(v) == 1 else v) for k, v in batchdata.items()}
