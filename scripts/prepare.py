@@ -145,7 +145,7 @@ def _convert(
     """:func:`prepare_case` for every case of ``todo``, in worker processes when there are several."""
     # a worker process costs seconds to start (it imports the launching program -- torch and MONAI under
     # `monai.bundle run`), about as much as converting a few cases: each worker gets CASES_PER_WORKER at least
-    workers = min(num_workers if num_workers is not None else (os.cpu_count() or 1), len(todo) // CASES_PER_WORKER)
+    workers = min(num_workers if num_workers is not None else _usable_cpus(), len(todo) // CASES_PER_WORKER)
     records = []
     with tqdm(total=len(todo), desc="prepare", unit="case", disable=not progress or not todo) as bar:
         if workers <= 1:
@@ -160,6 +160,11 @@ def _convert(
                 records.append(future.result())
                 bar.update()
     return records
+
+
+def _usable_cpus() -> int:
+    """The CPUs this process may run on (a SLURM job's share, not the whole node)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _log_outcomes(records: list[dict]) -> None:
