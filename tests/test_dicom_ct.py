@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pydicom
 import pytest
+from dicom_factory import TUMOUR_HU, Series, ct_slice, transcode, tumour_centre_of, write_series
 
 from scripts.dicom import DicomCaseError, read_case, read_ct_series, to_hu
 from scripts.synthetic import write_case
@@ -81,3 +82,122 @@ def test_stored_values_become_hu_like_the_dicom_formula(dtype, slope, intercept)
     ds.RescaleSlope, ds.RescaleIntercept = slope, intercept
     expected = np.clip(np.rint(stored.astype(np.float64) * slope + intercept), -32768, 32767).astype(np.int16)
     np.testing.assert_array_equal(to_hu(stored, ds), expected)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# real-world exports (series written by tests/dicom_factory.py, independently of the reader)
+
+
+def test_a_small_gantry_tilt_is_kept_exactly_in_world_coordinates(tmp_path):
+    series = Series(tilt_deg=0.6)  # 0.03 mm sideways per slice: 0.47 mm over 16 slices, under half a 2 mm pixel
+    write_series(series, tmp_path)
+    ct = read_ct_series(tmp_path)
+    step = ct.affine_lps[:3, 2]
+    np.testing.assert_allclose(step, series.positions()[1] - series.positions()[0], atol=1e-3)
+    centre = tumour_centre_of(ct.hu == TUMOUR_HU, ct.affine_ras)
+    np.testing.assert_allclose(centre, series.tumour_centre, atol=0.5)  # mm
+    assert any("sideways" in note for note in ct.notes)
+
+
+def test_a_gantry_tilt_beyond_half_a_pixel_is_refused_with_the_angle(tmp_path):
+    write_series(Series(tilt_deg=15.0), tmp_path)
+    with pytest.raises(DicomCaseError, match=r"gantry tilt of 15\.0 deg.*dcm2niix"):
+        read_ct_series(tmp_path)
+
+
+def test_a_ct_without_rescale_tags_is_refused_not_guessed(tmp_path):
+    write_series(Series(), tmp_path)
+    path = sorted(tmp_path.glob("*.dcm"))[3]
+    ds = pydicom.dcmread(path)
+    del ds.RescaleIntercept
+    ds.save_as(path)
+    with pytest.raises(DicomCaseError, match="no RescaleSlope/RescaleIntercept") as err:
+        read_ct_series(tmp_path)
+    assert path.name in str(err.value)
+
+
+def test_padding_outside_the_field_of_view_becomes_air(tmp_path):
+    series = Series()
+    slices = write_series(series, tmp_path)
+    for ds in slices:  # the corners are outside the scanner's circle: stored as padding
+        pixels = np.frombuffer(ds.PixelData, np.uint16).reshape(ds.Rows, ds.Columns).copy()
+        pixels[:4, :4] = 4000
+        ds.PixelData, ds.PixelPaddingValue = pixels.tobytes(), 4000
+        ds.save_as(tmp_path / f"{ds.InstanceNumber:04d}.dcm", enforce_file_format=True)
+    ct = read_ct_series(tmp_path)
+    assert (ct.hu[:4, :4, :] == -1024).all() and ct.hu.max() == TUMOUR_HU
+
+
+def test_non_image_objects_in_the_folder_are_skipped_by_what_they_are(tmp_path):
+    series = Series()
+    write_series(series, tmp_path)
+    (tmp_path / "Thumbs.db").write_bytes(b"\x00\x01windows thumbnail cache")
+    (tmp_path / "README").write_text("exported by PACS")
+    presentation = ct_slice(series, 0)  # the same header as a slice, but a presentation state
+    presentation.SOPClassUID = presentation.file_meta.MediaStorageSOPClassUID = "1.2.840.10008.5.1.4.1.1.11.1"
+    presentation.SOPInstanceUID = presentation.file_meta.MediaStorageSOPInstanceUID = series.uid("pr")
+    presentation.save_as(tmp_path / "PR000001", enforce_file_format=True)
+    directory = pydicom.Dataset()
+    directory.file_meta = pydicom.dataset.FileMetaDataset()
+    directory.file_meta.MediaStorageSOPClassUID = "1.2.840.10008.1.3.10"
+    directory.file_meta.MediaStorageSOPInstanceUID = series.uid("dicomdir")
+    directory.file_meta.TransferSyntaxUID = pydicom.uid.ExplicitVRLittleEndian
+    directory.DirectoryRecordSequence = []
+    directory.save_as(tmp_path / "DICOMDIR", enforce_file_format=True)
+    ct = read_ct_series(tmp_path)
+    assert ct.hu.shape == series.shape
+    note = " ".join(ct.notes)
+    for name in ("Thumbs.db (not DICOM)", "README (not DICOM)", "DICOMDIR (DICOMDIR)", "PR000001 (Grayscale Softcopy"):
+        assert name in note, note
+
+
+@pytest.mark.parametrize(
+    "syntax",
+    ["1.2.840.10008.1.2.4.70", "1.2.840.10008.1.2.4.57", "1.2.840.10008.1.2.4.80", "1.2.840.10008.1.2.4.90",
+     "1.2.840.10008.1.2.5", "1.2.840.10008.1.2.1.99"],
+    ids=["jpeg-lossless-sv1", "jpeg-lossless", "jpeg-ls", "jpeg-2000", "rle", "deflate"],
+)  # fmt: skip
+def test_compressed_series_decode_to_the_same_hounsfield_units(tmp_path, syntax):
+    pytest.importorskip("gdcm", reason="python-gdcm (requirements-dev.txt) encodes the JPEG test files")
+    series = Series(shape=(32, 32, 6))
+    write_series(series, tmp_path / "plain")
+    write_series(series, tmp_path / "packed")
+    for path in (tmp_path / "packed").glob("*.dcm"):
+        transcode(path, syntax)
+    assert str(pydicom.dcmread(path).file_meta.TransferSyntaxUID) == syntax
+    plain, packed = read_ct_series(tmp_path / "plain"), read_ct_series(tmp_path / "packed")
+    np.testing.assert_array_equal(packed.hu, plain.hu)  # every syntax here is lossless
+
+
+def test_an_undecodable_syntax_names_the_syntax_and_the_package(tmp_path, monkeypatch):
+    pytest.importorskip("gdcm", reason="python-gdcm (requirements-dev.txt) encodes the JPEG test files")
+    write_series(Series(shape=(32, 32, 4)), tmp_path)
+    for path in tmp_path.glob("*.dcm"):
+        transcode(path, "1.2.840.10008.1.2.4.70")
+    from pydicom.pixels.decoders import JPEGLosslessSV1Decoder
+
+    monkeypatch.setattr(JPEGLosslessSV1Decoder, "_available", {})  # as on a machine without the decoder packages
+    with pytest.raises(DicomCaseError, match=r"JPEG Lossless.*1\.2\.840\.10008\.1\.2\.4\.70.*install one of") as err:
+        read_ct_series(tmp_path)
+    assert "download" not in str(err.value)
+
+
+def test_cut_pixel_data_is_named_as_cut(tmp_path):
+    write_series(Series(), tmp_path)
+    path = sorted(tmp_path.glob("*.dcm"))[2]
+    ds = pydicom.dcmread(path)
+    ds.PixelData = ds.PixelData[: len(ds.PixelData) // 2]
+    ds.save_as(path)
+    with pytest.raises(DicomCaseError, match="cut or damaged") as err:
+        read_ct_series(tmp_path)
+    assert path.name in str(err.value)
+
+
+def test_an_enhanced_multiframe_ct_is_refused_with_what_it_is(tmp_path):
+    series = Series()
+    write_series(series, tmp_path)
+    enhanced = ct_slice(series, 0)
+    enhanced.SOPClassUID = enhanced.file_meta.MediaStorageSOPClassUID = "1.2.840.10008.5.1.4.1.1.2.1"
+    enhanced.save_as(tmp_path / "enhanced.dcm", enforce_file_format=True)
+    with pytest.raises(DicomCaseError, match=r"Enhanced CT Image.*multi-frame.*one file per slice"):
+        read_ct_series(tmp_path)

@@ -12,6 +12,8 @@ from pathlib import Path
 import numpy as np
 import pydicom
 import pytest
+from dicom_factory import Series
+from dicom_factory import write_case as write_factory_case
 
 from scripts.dicom import DicomCaseError, find_seg_file, read_case
 from scripts.synthetic import tumour_contains, write_case
@@ -145,3 +147,22 @@ def test_fractional_seg_reads_like_the_binary_one(case):
     seg.save_as(case["seg_file"])
     np.testing.assert_array_equal(read(case).label, binary)
     assert binary.sum() > 0
+
+
+def test_the_seg_is_found_by_sop_class_beside_an_rtstruct_whatever_its_name(tmp_path):
+    image_dir, seg_file = write_factory_case(Series(), tmp_path / "case")
+    renamed = seg_file.with_name("segmentation")  # no .dcm suffix, as some exports name it
+    seg_file.rename(renamed)
+    rtstruct = pydicom.dcmread(renamed, stop_before_pixels=True)  # a header carrying the RT Structure Set class
+    rtstruct.SOPClassUID = rtstruct.file_meta.MediaStorageSOPClassUID = "1.2.840.10008.5.1.4.1.1.481.3"
+    rtstruct.save_as(seg_file.with_name("RS.dcm"), enforce_file_format=True)
+    assert find_seg_file(seg_file.parent) == renamed
+    volumes = read_case(image_dir, renamed, ["GTV-1"])
+    assert (volumes.label == 1).sum() > 0
+
+
+def test_two_segs_in_one_folder_are_refused_by_name(tmp_path):
+    _, seg_file = write_factory_case(Series(), tmp_path / "case")
+    shutil.copy(seg_file, seg_file.with_name("second"))
+    with pytest.raises(DicomCaseError, match=r"2 DICOM SEG objects \(1-1\.dcm, second\)"):
+        find_seg_file(seg_file.parent)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -12,11 +13,14 @@ import nibabel as nib
 import numpy as np
 import pydicom
 import pytest
+from dicom_factory import Series, transcode, tumour_centre_of
+from dicom_factory import write_case as write_factory_case
 
 import scripts.prepare
 from scripts.prepare import PrepareError, find_cases, prepare, split_cases
 from scripts.synthetic import tumour_contains, write_case
 
+ROOT = Path(__file__).resolve().parents[1]
 SHAPE = (64, 64, 24)
 COLLECTION = "NSCLC-Radiomics"
 
@@ -206,3 +210,137 @@ def test_cli_prepares_and_reports(small_cases, tmp_path, root):
         cwd=root, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert missing.returncode != 0 and "scripts.tcia download" in missing.stderr
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# real-world exports, through the real command: each case comes out right or is refused for the right reason, and
+# the others are prepared
+
+
+def run_prepare(data: Path, out: Path) -> tuple[subprocess.CompletedProcess, dict]:
+    """``python -m scripts.prepare`` from a folder outside the bundle, the bundle on PYTHONPATH (as documented)."""
+    result = subprocess.run(
+        [sys.executable, "-m", "scripts.prepare", "--dataset_dir", str(data), "--output_dir", str(out),
+         "--num_workers", "1"],
+        cwd=out.parent, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    return result, json.loads((out / "prepare_report.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def realworld(tmp_path_factory):
+    """Cases as clinics and PACS export them, written independently of the reader (tests/dicom_factory.py)."""
+    data = tmp_path_factory.mktemp("realworld")
+    coll = data / COLLECTION
+    cases = {
+        "GOOD": Series(patient_id="GOOD"),
+        "SMALL-TILT": Series(patient_id="SMALL-TILT", tilt_deg=0.6),
+        "TILTED": Series(patient_id="TILTED", tilt_deg=15.0),
+        "NO-RESCALE": Series(patient_id="NO-RESCALE"),
+        "CLUTTER": Series(patient_id="CLUTTER"),
+        "JPEG-LOSSLESS": Series(patient_id="JPEG-LOSSLESS"),
+        "STALE-SLICE": Series(patient_id="STALE-SLICE"),
+        "STALE-SEG": Series(patient_id="STALE-SEG"),
+        "L" * 200: Series(patient_id="LONG"),
+        "X" * 245: Series(patient_id="TOO-LONG"),
+    }
+    for name, series in cases.items():
+        write_factory_case(series, coll / name / "300")
+    not_utf8 = os.fsdecode(b"caf\xe9-latin1")  # a folder named in Latin-1, as old Windows exports do
+    write_factory_case(Series(patient_id="LATIN1"), coll / not_utf8 / "300")
+    image = coll / "NO-RESCALE" / "300" / "image"
+    for path in image.glob("*.dcm"):
+        ds = pydicom.dcmread(path)
+        del ds.RescaleSlope, ds.RescaleIntercept
+        ds.save_as(path)
+    image = coll / "CLUTTER" / "300" / "image"
+    (image / "Thumbs.db").write_bytes(b"\x00windows thumbnail cache")
+    (image / "DICOMDIR").write_bytes(b"\x00" * 128 + b"DICM")  # a cut DICOMDIR: DICM but no dataset
+    if shutil.which("gdcminfo") or _has_gdcm():
+        for path in (coll / "JPEG-LOSSLESS" / "300" / "image").glob("*.dcm"):
+            transcode(path, "1.2.840.10008.1.2.4.70")
+    out = data / "prepared"
+    first, report = run_prepare(data, out)
+    assert first.returncode == 0, first.stderr[-3000:]
+    return data, out, report, cases, not_utf8
+
+
+def _has_gdcm() -> bool:
+    try:
+        import gdcm  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def records_of(report: dict) -> dict:
+    return {r["case_id"]: r for r in report["cases"]}
+
+
+def test_a_folder_name_that_is_not_utf8_is_refused_and_the_run_completes(realworld):
+    _, out, report, _, not_utf8 = realworld
+    record = records_of(report)[not_utf8]
+    assert record["status"] == "rejected" and "not valid UTF-8" in record["reason"] and "caf\\xe9" in record["reason"]
+    datalist = json.loads((out / "datalist.json").read_text())
+    assert "GOOD" in {d["case_id"] for part in ("training", "validation", "test") for d in datalist[part]}
+
+
+def test_long_names_work_and_names_too_long_for_the_outputs_are_refused(realworld):
+    _, out, report, _, _ = realworld
+    records = records_of(report)
+    assert records["L" * 200]["status"] == "prepared" and (out / "labels" / f"{'L' * 200}.nii.gz").is_file()
+    assert records["X" * 245]["status"] == "rejected" and "255-byte limit" in records["X" * 245]["reason"]
+    assert not [p for p in out.rglob(".tmp-*")], "no temporary file left"
+
+
+def test_a_tilted_series_is_refused_and_a_barely_tilted_one_is_placed_in_millimetres(realworld):
+    _, out, report, cases, _ = realworld
+    records = records_of(report)
+    assert records["TILTED"]["status"] == "rejected" and "gantry tilt of 15.0 deg" in records["TILTED"]["reason"]
+    label = nib.load(out / "labels" / "SMALL-TILT.nii.gz")
+    centre = tumour_centre_of(np.asarray(label.dataobj), label.affine)
+    np.testing.assert_allclose(centre, cases["SMALL-TILT"].tumour_centre, atol=0.5)  # mm, independent truth
+    assert any("sideways" in note for note in records["SMALL-TILT"]["notes"])
+
+
+def test_missing_rescale_tags_are_refused_not_guessed(realworld):
+    _, _, report, _, _ = realworld
+    assert "no RescaleSlope/RescaleIntercept" in records_of(report)["NO-RESCALE"]["reason"]
+
+
+def test_clutter_beside_the_slices_is_skipped_with_a_note(realworld):
+    _, out, report, _, _ = realworld
+    record = records_of(report)["CLUTTER"]
+    assert record["status"] == "prepared", record.get("reason")
+    assert "Thumbs.db (not DICOM)" in " ".join(record["notes"])
+    image = nib.load(out / "images" / "CLUTTER.nii")
+    assert image.shape == Series().shape
+
+
+def test_jpeg_lossless_series_prepare_like_uncompressed_ones(realworld):
+    pytest.importorskip("gdcm", reason="python-gdcm (requirements-dev.txt) encodes the JPEG Lossless test case")
+    _, out, report, _, _ = realworld
+    assert records_of(report)["JPEG-LOSSLESS"]["status"] == "prepared"
+    packed = np.asarray(nib.load(out / "images" / "JPEG-LOSSLESS.nii").dataobj)
+    plain = np.asarray(nib.load(out / "images" / "GOOD.nii").dataobj)
+    np.testing.assert_array_equal(packed, plain)
+
+
+def test_a_rerun_notices_changed_content_whatever_the_modification_times(realworld, tmp_path):
+    data, out, _, _, _ = realworld
+    image = data / COLLECTION / "STALE-SLICE" / "300" / "image"
+    sorted(image.glob("*.dcm"))[5].unlink()  # a slice deleted
+    seg = data / COLLECTION / "STALE-SEG" / "300" / "seg" / "1-1.dcm"
+    before = seg.stat()
+    bigger = Series(patient_id="STALE-SEG", tumour_radius=14.0)
+    write_factory_case(bigger, tmp_path / "new")  # another SEG (same UIDs for the CT), copied in with an old mtime
+    shutil.copy2(tmp_path / "new" / "seg" / "1-1.dcm", seg)
+    os.utime(seg, ns=(before.st_atime_ns, before.st_mtime_ns))
+    old_label = np.asarray(nib.load(out / "labels" / "STALE-SEG.nii.gz").dataobj)
+    result, report = run_prepare(data, out)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = records_of(report)
+    assert records["STALE-SLICE"]["status"] == "rejected" and "missing slice" in records["STALE-SLICE"]["reason"]
+    assert records["STALE-SEG"]["status"] == "prepared"
+    assert np.asarray(nib.load(out / "labels" / "STALE-SEG.nii.gz").dataobj).sum() > old_label.sum()
+    assert records["GOOD"]["status"] == "up_to_date"

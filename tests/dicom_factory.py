@@ -1,0 +1,163 @@
+"""CT series and SEGs written the way clinic and PACS exports write them, for the real-world DICOM tests.
+
+Independent of ``scripts.dicom`` (and of ``scripts.synthetic``): slices are rendered from a world-space (LPS mm)
+description -- a body of soft tissue with a spherical tumour -- at whatever positions, orientation, tilt, encoding and
+tags a test asks for, so the reader's geometry can be checked against the analytic truth in millimetres.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import highdicom as hd
+import numpy as np
+from pydicom.dataset import Dataset, FileMetaDataset
+from pydicom.sr.codedict import codes
+from pydicom.uid import CTImageStorage, ExplicitVRLittleEndian, generate_uid
+
+TUMOUR_HU, BODY_HU, AIR_HU = 60.0, 0.0, -1000.0
+
+
+@dataclass
+class Series:
+    """What to write: ``shape`` (columns, rows, slices), geometry in LPS mm, and the tumour sphere."""
+
+    shape: tuple[int, int, int] = (48, 48, 16)
+    pixel_spacing: float = 2.0
+    slice_spacing: float = 3.0
+    tilt_deg: float = 0.0  # each slice stepped sideways (along +y, the column direction) by tan(tilt) * spacing
+    tumour_centre: tuple[float, float, float] = (8.0, -6.0, 18.0)
+    tumour_radius: float = 10.0
+    patient_id: str = "RW-001"
+    uids: dict = field(default_factory=dict)
+
+    def uid(self, tag: str) -> str:
+        return self.uids.setdefault(tag, generate_uid(entropy_srcs=[self.patient_id, tag]))
+
+    def positions(self) -> np.ndarray:
+        """ImagePositionPatient of each slice, first slice first."""
+        nx, ny, nz = self.shape
+        corner = np.array([-(nx - 1) * self.pixel_spacing / 2, -(ny - 1) * self.pixel_spacing / 2, 0.0])
+        sideways = np.tan(np.radians(self.tilt_deg)) * self.slice_spacing
+        return np.array([corner + np.array([0.0, k * sideways, k * self.slice_spacing]) for k in range(nz)])
+
+    def voxel_centres(self, k: int) -> np.ndarray:
+        """LPS mm of every pixel centre of slice k, shape (rows, columns, 3)."""
+        nx, ny, _ = self.shape
+        cols, rows = np.meshgrid(np.arange(nx), np.arange(ny))
+        return self.positions()[k] + self.pixel_spacing * np.stack([cols, rows, np.zeros_like(cols)], -1)
+
+    def tumour(self, k: int) -> np.ndarray:
+        """Tumour mask of slice k (rows, columns): pixel centres inside the sphere."""
+        return np.linalg.norm(self.voxel_centres(k) - self.tumour_centre, axis=-1) <= self.tumour_radius
+
+    def hu(self, k: int) -> np.ndarray:
+        nx, ny, _ = self.shape
+        cols, rows = np.meshgrid(np.arange(nx), np.arange(ny))
+        body = ((cols - nx / 2) / (0.45 * nx)) ** 2 + ((rows - ny / 2) / (0.4 * ny)) ** 2 <= 1
+        values = np.where(body, BODY_HU, AIR_HU)
+        return np.where(self.tumour(k), TUMOUR_HU, values)
+
+
+def ct_slice(series: Series, k: int, intercept: float = -1024.0) -> Dataset:
+    """One CT Image Storage slice of ``series`` (uncompressed, explicit VR little endian)."""
+    sop = series.uid(f"sop{k}")
+    ds = Dataset()
+    ds.file_meta = FileMetaDataset()
+    ds.file_meta.MediaStorageSOPClassUID, ds.file_meta.MediaStorageSOPInstanceUID = CTImageStorage, sop
+    ds.file_meta.TransferSyntaxUID = ExplicitVRLittleEndian
+    ds.SOPClassUID, ds.SOPInstanceUID, ds.Modality = CTImageStorage, sop, "CT"
+    ds.PatientID, ds.PatientName, ds.PatientBirthDate, ds.PatientSex = series.patient_id, "Real^World", "", "O"
+    ds.StudyInstanceUID, ds.SeriesInstanceUID = series.uid("study"), series.uid("series")
+    ds.FrameOfReferenceUID, ds.PositionReferenceIndicator = series.uid("for"), ""
+    ds.StudyDate = ds.SeriesDate = ds.ContentDate = "20250101"
+    ds.StudyTime = ds.SeriesTime = ds.ContentTime = "080000"
+    ds.StudyID, ds.AccessionNumber, ds.ReferringPhysicianName, ds.Manufacturer = "1", "", "", "factory"
+    ds.SeriesNumber, ds.InstanceNumber, ds.AcquisitionNumber = 2, k + 1, 1
+    ds.ImageType, ds.KVP, ds.PatientPosition = ["ORIGINAL", "PRIMARY", "AXIAL"], 120, "HFS"
+    ds.ImagePositionPatient = [round(float(v), 4) for v in series.positions()[k]]
+    ds.ImageOrientationPatient = [1, 0, 0, 0, 1, 0]
+    ds.PixelSpacing = [series.pixel_spacing, series.pixel_spacing]
+    ds.SliceThickness = series.slice_spacing
+    ds.Rows, ds.Columns = series.shape[1], series.shape[0]
+    ds.SamplesPerPixel, ds.PhotometricInterpretation = 1, "MONOCHROME2"
+    ds.BitsAllocated, ds.BitsStored, ds.HighBit, ds.PixelRepresentation = 16, 12, 11, 0  # 12-bit: every JPEG codes it
+    ds.RescaleSlope, ds.RescaleIntercept, ds.RescaleType = 1, intercept, "HU"
+    ds.PixelData = np.clip(np.rint(series.hu(k) - intercept), 0, 4095).astype(np.uint16).tobytes()
+    return ds
+
+
+def write_series(series: Series, image_dir: Path) -> list[Dataset]:
+    """Every slice of ``series`` into ``image_dir`` (file names by instance number)."""
+    image_dir.mkdir(parents=True, exist_ok=True)
+    slices = [ct_slice(series, k) for k in range(series.shape[2])]
+    for ds in slices:
+        ds.save_as(image_dir / f"{ds.InstanceNumber:04d}.dcm", enforce_file_format=True)
+    return slices
+
+
+def write_seg(series: Series, slices: list[Dataset], path: Path) -> Path:
+    """A highdicom SEG of the tumour (GTV-1) on ``slices``."""
+    description = hd.seg.SegmentDescription(
+        segment_number=1, segment_label="GTV-1", segmented_property_category=codes.SCT.MorphologicallyAbnormalStructure,
+        segmented_property_type=codes.SCT.Neoplasm, algorithm_type="MANUAL",
+    )  # fmt: skip
+    seg = hd.seg.Segmentation(
+        source_images=slices, pixel_array=np.stack([series.tumour(k) for k in range(len(slices))]).astype(np.uint8),
+        segmentation_type=hd.seg.SegmentationTypeValues.BINARY, segment_descriptions=[description],
+        series_instance_uid=series.uid("segseries"), series_number=300, sop_instance_uid=series.uid("segsop"),
+        instance_number=1, manufacturer="factory", manufacturer_model_name="tests", software_versions="1",
+        device_serial_number="1", omit_empty_frames=True,
+    )  # fmt: skip
+    path.parent.mkdir(parents=True, exist_ok=True)
+    seg.save_as(path)
+    return path
+
+
+def write_case(series: Series, case_dir: Path) -> tuple[Path, Path]:
+    """A TCIA-layout case: ``case_dir/image/*.dcm`` and ``case_dir/seg/1-1.dcm``; returns both paths."""
+    slices = write_series(series, case_dir / "image")
+    return case_dir / "image", write_seg(series, slices, case_dir / "seg" / "1-1.dcm")
+
+
+def tumour_centre_of(label: np.ndarray, affine_ras: np.ndarray) -> np.ndarray:
+    """Centroid (LPS mm) of a label volume [X, Y, Z] placed by a NIfTI (RAS) affine."""
+    ijk = np.argwhere(label > 0)
+    ras = ijk @ affine_ras[:3, :3].T + affine_ras[:3, 3]
+    return (ras * [-1, -1, 1]).mean(0)
+
+
+def transcode(path: Path, syntax: str) -> None:
+    """Re-encode one file in place in ``syntax``: JPEG Lossless (4.57, 4.70) through GDCM (pydicom has no encoder),
+    JPEG-LS, JPEG 2000 and RLE through pydicom's encoders, deflate by writing a deflated dataset."""
+    import pydicom
+    from pydicom.uid import DeflatedExplicitVRLittleEndian
+
+    gdcm_syntaxes = {
+        "1.2.840.10008.1.2.4.70": "JPEGLosslessProcess14_1",
+        "1.2.840.10008.1.2.4.57": "JPEGLosslessProcess14",
+    }
+    if syntax in gdcm_syntaxes:
+        import gdcm
+
+        reader = gdcm.ImageReader()
+        reader.SetFileName(str(path))
+        assert reader.Read(), path
+        change = gdcm.ImageChangeTransferSyntax()
+        change.SetTransferSyntax(gdcm.TransferSyntax(getattr(gdcm.TransferSyntax, gdcm_syntaxes[syntax])))
+        change.SetInput(reader.GetImage())
+        assert change.Change(), f"GDCM cannot encode {syntax}"
+        writer = gdcm.ImageWriter()
+        writer.SetFileName(str(path))
+        writer.SetFile(reader.GetFile())
+        writer.SetImage(change.GetOutput())
+        assert writer.Write(), path
+        return
+    ds = pydicom.dcmread(path)
+    if syntax == DeflatedExplicitVRLittleEndian:
+        ds.file_meta.TransferSyntaxUID = syntax
+        ds.save_as(path, enforce_file_format=True)
+        return
+    ds.compress(syntax)
+    ds.save_as(path, enforce_file_format=True)
