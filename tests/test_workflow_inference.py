@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import highdicom as hd
 import nibabel as nib
@@ -29,7 +30,9 @@ def dice(a: np.ndarray, b: np.ndarray) -> float:
 
 @pytest.fixture(scope="module")
 def inferred(demo_run, tmp_path_factory):
-    """Two unseen synthetic DICOM cases, one of them also as NIfTI, and three bad inputs."""
+    """Two unseen synthetic DICOM cases, one of them also as NIfTI, and the inputs a real folder holds: a folder
+    without a CT, a one-slice series, a 4-D NIfTI, a series whose pixel data are cut, a case under a 240-byte name,
+    clutter beside the slices, and a link back up the tree (a loop)."""
     tmp, _, _ = demo_run
     inputs = tmp_path_factory.mktemp("infer_in")
     truths = generate(inputs / "tcia", num_cases=2, shape=(128, 128, 40), seed=777, tumour_hu=400)
@@ -41,16 +44,23 @@ def inferred(demo_run, tmp_path_factory):
     (inputs / "one_slice").mkdir()
     shutil.copy(ct.files[0], inputs / "one_slice" / "1-001.dcm")
     nib.save(nib.Nifti1Image(np.zeros((8, 8, 8, 2), np.int16), np.eye(4)), inputs / "four_d.nii.gz")
+    cut = inputs / "cut_pixels"
+    shutil.copytree(truths[1]["image_dir"], cut)
+    damaged = sorted(cut.glob("*.dcm"))[7]
+    damaged.write_bytes(damaged.read_bytes()[:-5000])  # the header is whole, the pixel data are not
+    shutil.copytree(truths[1]["image_dir"], inputs / ("L" * 240))
+    (Path(truths[0]["image_dir"]) / "Thumbs.db").write_bytes(b"\x00thumbnail cache")
+    (inputs / "tcia" / "loop").symlink_to(inputs / "tcia")
     out = tmp_path_factory.mktemp("infer_out")
     weights = str(tmp / "run" / "model.pt")
     result = bundle_run("inference", "--config_file", DEMO_INFERENCE, "--input_dir", str(inputs), "--output_dir",
-                        str(out), "--model_path", weights, "--num_workers", "0")  # fmt: skip
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return truths, inputs, out, result
+                        str(out), "--model_path", weights, "--num_workers", "1")  # fmt: skip
+    report = json.loads((out / "inference_report.json").read_text())
+    return truths, inputs, out, result, report
 
 
 def test_inference_writes_a_dicom_seg_that_matches_the_nifti_and_references_the_ct(inferred):
-    truths, _, out, result = inferred
+    truths, _, out, result, _ = inferred
     for truth in truths:
         case = truth["patient_id"]
         nifti = nib.load(out / case / f"{case}_seg.nii.gz")
@@ -74,22 +84,37 @@ def test_inference_writes_a_dicom_seg_that_matches_the_nifti_and_references_the_
 
 
 def test_inference_gives_the_same_answer_for_nifti_and_dicom_input(inferred):
-    truths, _, out, _ = inferred
+    truths, _, out, _, _ = inferred
     from_dicom = np.asarray(nib.load(out / truths[0]["patient_id"] / f"{truths[0]['patient_id']}_seg.nii.gz").dataobj)
     from_nifti = nib.load(out / "first_case" / "first_case_seg.nii.gz")
     np.testing.assert_array_equal(np.asarray(from_nifti.dataobj), from_dicom)
     assert not (out / "first_case" / "first_case_seg.dcm").exists(), "no DICOM SEG without a DICOM source"
 
 
-def test_inference_skips_bad_inputs_and_names_them(inferred):
-    _, inputs, out, result = inferred
-    report = json.loads((out / "inference_report.json").read_text())
-    reasons = {r["input"]: r["reason"] for r in report["skipped"]}
-    assert "no CT series" in reasons[str(inputs / "no_ct_here")]
-    assert "only 1 slice" in reasons[str(inputs / "one_slice")]
-    assert "3D CT" in reasons[str(inputs / "four_d.nii.gz")]
-    assert len(report["cases"]) == 3
-    assert "skipped 3" in result.stdout
+def test_each_bad_input_is_failed_or_skipped_by_name_and_the_others_are_written(inferred):
+    truths, inputs, out, result, report = inferred
+    skipped = {r["input"]: r["reason"] for r in report["skipped"]}
+    assert "no CT series" in skipped[str(inputs / "no_ct_here")]
+    cases = {c["case_id"]: c for c in report["cases"]}
+    failed = {k: c for k, c in cases.items() if c["status"] == "failed"}
+    assert set(failed) == {"one_slice", "four_d", "cut_pixels", "L" * 240}, set(failed)
+    assert failed["one_slice"]["stage"] == "check" and "only 1 slice" in failed["one_slice"]["reason"]
+    assert failed["four_d"]["stage"] == "check" and "3D CT" in failed["four_d"]["reason"]
+    assert failed["cut_pixels"]["stage"] == "read" and "cut or damaged" in failed["cut_pixels"]["reason"]
+    assert failed["L" * 240]["stage"] == "check" and "255-byte limit" in failed["L" * 240]["reason"]
+    done = {k for k, c in cases.items() if c["status"] == "done"}
+    assert done == {t["patient_id"] for t in truths} | {"first_case"}, "every other case was processed"
+    assert not (out / "cut_pixels").exists(), "a failed case leaves no outputs"
+    assert result.returncode == 1 and "4 case(s) failed" in result.stderr, result.stderr[-2000:]
+    assert "failed 4, skipped 1" in result.stdout
+
+
+def test_clutter_and_a_link_loop_do_not_change_the_cases(inferred):
+    truths, _, _, _, report = inferred
+    inputs = [c["image"] for c in report["cases"]]
+    assert (
+        len(inputs) == len(set(inputs)) and sum(truths[0]["patient_id"] in c["case_id"] for c in report["cases"]) == 1
+    )
 
 
 def test_inference_refuses_weights_trained_for_other_labels(demo_run, root, tmp_path):
