@@ -144,3 +144,63 @@ def _volume(tensor, argmax: bool = False) -> np.ndarray:
     if argmax and array.shape[0] > 1:
         return array.argmax(0)
     return array[0]
+
+
+def render_planes(
+    ct: np.ndarray | None,
+    labels: np.ndarray,
+    affine: np.ndarray,
+    centre_lps: Sequence[float] | None = None,
+    window: Sequence[float] = (-1000, 500),
+    title: str = "",
+    colours: Sequence[Sequence[int]] = (PRED_RGB, TRUTH_RGB, (80, 160, 255), (255, 160, 0), (200, 80, 255)),
+) -> np.ndarray:
+    """An RGB ``uint8`` picture of the axial, coronal and sagittal planes through ``centre_lps`` (default: the centre
+    of label 1, else of any label) with each label's outline drawn on the CT, label ``i`` in ``colours[i - 1]``.
+
+    Radiological convention whatever the volume's orientation: the patient's right on the image's left (axial,
+    coronal), anterior on the left (sagittal), anterior (axial) or head (coronal, sagittal) at the top; each plane is
+    scaled to square millimetres, so 3 mm slices are not squashed.
+    """
+    transform = nib.orientations.ornt_transform(
+        nib.orientations.io_orientation(affine), nib.orientations.axcodes2ornt(("L", "P", "S"))
+    )
+    labels_lps = to_lps(np.asarray(labels), affine)
+    ct = np.zeros(labels_lps.shape, np.float32) if ct is None else to_lps(np.asarray(ct, dtype=np.float32), affine)
+    lps_affine = affine @ nib.orientations.inv_ornt_aff(transform, np.asarray(labels).shape)
+    spacing = np.linalg.norm(lps_affine[:3, :3], axis=0)
+    if centre_lps is not None:
+        ras = np.asarray(centre_lps, dtype=float) * [-1, -1, 1]
+        centre = np.linalg.solve(lps_affine[:3, :3], ras - lps_affine[:3, 3])
+    else:
+        present = np.argwhere(labels_lps == 1) if (labels_lps == 1).any() else np.argwhere(labels_lps > 0)
+        centre = present.mean(0) if len(present) else np.array(labels_lps.shape) / 2
+    i, j, k = (int(np.clip(round(float(c)), 0, n - 1)) for c, n in zip(centre, labels_lps.shape, strict=True))
+    planes = [  # (CT plane, label plane, mm per row, mm per column, name): rows top to bottom, columns left to right
+        (ct[:, :, k].T, labels_lps[:, :, k].T, spacing[1], spacing[0], f"axial {k}"),
+        (ct[:, j, :].T[::-1], labels_lps[:, j, :].T[::-1], spacing[2], spacing[0], f"coronal {j}"),
+        (ct[i, :, :].T[::-1], labels_lps[i, :, :].T[::-1], spacing[2], spacing[1], f"sagittal {i}"),
+    ]
+    low, high = float(window[0]), float(window[1])
+    pixel_mm = max(float(spacing.min()), float((spacing * labels_lps.shape).max()) / 512)  # at most 512 pixels
+    panels = []
+    for image, label, row_mm, col_mm, _ in planes:
+        image, label = (_square_mm(a, row_mm, col_mm, pixel_mm) for a in (image, label))
+        gray = (np.clip((image - low) / max(high - low, 1e-6), 0, 1) * 255).astype(np.uint8)
+        rgb = np.repeat(gray[..., None], 3, axis=-1)
+        for value in np.unique(label[label > 0]):
+            rgb[_edge(label == value)] = colours[(int(value) - 1) % len(colours)]
+        panels.append(rgb)
+    height = max(p.shape[0] for p in panels)
+    picture = np.concatenate([np.pad(p, ((0, height - p.shape[0]), (0, 4), (0, 0))) for p in panels], axis=1)
+    names = "  ".join(p[4] for p in planes)
+    return _caption(picture, [f"{title}  {names}", "patient's right on the image's left (axial, coronal)"])
+
+
+def _square_mm(plane: np.ndarray, row_mm: float, col_mm: float, pixel_mm: float) -> np.ndarray:
+    """``plane`` resampled (nearest neighbour) to square pixels of ``pixel_mm``."""
+    rows = np.minimum(((np.arange(round(plane.shape[0] * row_mm / pixel_mm)) + 0.5) * pixel_mm / row_mm).astype(int),
+                      plane.shape[0] - 1)  # fmt: skip
+    cols = np.minimum(((np.arange(round(plane.shape[1] * col_mm / pixel_mm)) + 0.5) * pixel_mm / col_mm).astype(int),
+                      plane.shape[1] - 1)  # fmt: skip
+    return plane[np.ix_(rows, cols)]

@@ -21,7 +21,7 @@ from pathlib import Path
 import highdicom as hd
 import numpy as np
 from pydicom.dataset import Dataset, FileMetaDataset
-from pydicom.uid import CTImageStorage, ExplicitVRLittleEndian, generate_uid
+from pydicom.uid import CTImageStorage, ExplicitVRLittleEndian, RTStructureSetStorage, generate_uid
 from tqdm import tqdm
 
 from scripts.dicom import segment_description
@@ -79,8 +79,12 @@ def write_case(
     flip_in_plane: bool = False,
     collection: str = COLLECTION,
     tumour_hu: float = HU["tumour"],
+    rtstruct: bool = False,
 ) -> dict:
     """Write one case and return its truth (also saved as JSON). ``shape`` is (columns, rows, slices).
+
+    ``rtstruct`` also writes ``<case>/rtstruct/1-1.dcm``: the tumour as an RTSTRUCT ROI named ``gtv_name``, contoured
+    analytically from its ellipsoids (see :func:`_write_rtstruct`); its path is then the truth's ``rtstruct_file``.
 
     ``flip_in_plane`` stores the slices rotated by 180 degrees (ImageOrientationPatient ``[-1, 0, 0, 0, -1, 0]``,
     as some scanners write prone or feet-first patients): the same anatomy in the same world position.
@@ -141,6 +145,9 @@ def write_case(
         "image_dir": str(case_dir / "image"),
         "seg_file": str(case_dir / "seg" / "1-1.dcm"),
     }
+    if rtstruct:
+        truth["rtstruct_file"] = _write_rtstruct(case_dir / "rtstruct" / "1-1.dcm", slices, grid, [] if empty_gtv
+                                                 else ellipsoids, gtv_name, uid, seg_series_number + 1)  # fmt: skip
     truth_dir = Path(output_dir) / "synthetic_truth"
     truth_dir.mkdir(parents=True, exist_ok=True)
     (truth_dir / f"{patient_id}.json").write_text(json.dumps(truth, indent=2))
@@ -359,6 +366,136 @@ def _ct_slice(pixels, patient_id, study_uid, series_uid, for_uid, sop_uid, serie
     ds.KVP = 120
     ds.PixelData = np.ascontiguousarray(pixels, dtype=np.uint16).tobytes()
     return ds
+
+
+def _write_rtstruct(
+    path: Path, slices: list[Dataset], grid: _Grid, ellipsoids: list[dict], roi_name: str, uid, series_number: int
+) -> str:
+    """An RTSTRUCT with one ROI, the tumour, contoured analytically on every CT slice it crosses (no ellipsoid: the
+    ROI has no contour); returns its path.
+
+    Independent of the bundle's RTSTRUCT reader and writer: each contour is a dense polygon (720 points) of the
+    exact cross-section of the ellipsoids at the slice's z, in LPS mm, never a traced voxel mask. Where the two
+    cross-sections overlap, the contour is the outline of their union (one contour, as a planning system draws it:
+    two overlapping contours would make the overlap a hole under the even-odd rule).
+    """
+    contours = []
+    for k, z in enumerate(grid.zs):
+        for outline in _tumour_outlines(ellipsoids, float(z)):
+            points = np.column_stack([outline, np.full(len(outline), float(z))])
+            contours.append((slices[k], points))
+    ds = _rtstruct_dataset(slices, contours, roi_name, uid, series_number)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    ds.save_as(path, enforce_file_format=True)
+    return str(path)
+
+
+def _tumour_outlines(ellipsoids: list[dict], z: float, points: int = 720) -> list[np.ndarray]:
+    """The outlines ``(N, 2)`` (x, y in LPS mm) of the tumour's cross-section at ``z``: one per separate piece."""
+    sections = []  # (cx, cy, a, b): axis-aligned ellipses in the plane z
+    for e in ellipsoids:
+        (cx, cy, cz), (rx, ry, rz) = e["center_lps"], e["radii_mm"]
+        t = 1.0 - ((z - cz) / rz) ** 2
+        if t > 0:
+            sections.append((cx, cy, rx * np.sqrt(t), ry * np.sqrt(t)))
+    if not sections:
+        return []
+    theta = np.linspace(0.0, 2 * np.pi, points, endpoint=False)
+    centre = _point_inside_all(sections)
+    if centre is not None:  # convex pieces with a common point: their union is star-shaped around it
+        radius = np.max([_ray_to_ellipse(centre, theta, s) for s in sections], axis=0)
+        return [centre + radius[:, None] * np.column_stack([np.cos(theta), np.sin(theta)])]
+    outlines = [np.column_stack([cx + a * np.cos(theta), cy + b * np.sin(theta)]) for cx, cy, a, b in sections]
+    for i, outline in enumerate(outlines):
+        for j, (cx, cy, a, b) in enumerate(sections):
+            if i != j and (((outline[:, 0] - cx) / a) ** 2 + ((outline[:, 1] - cy) / b) ** 2 <= 1).any():
+                raise ValueError(f"z={z}: tumour cross-sections overlap without a common point found; cannot outline.")
+    return outlines
+
+
+def _point_inside_all(sections: list[tuple[float, float, float, float]]) -> np.ndarray | None:
+    """A point strictly inside every ellipse of ``sections`` (searched on a grid over their common bounding box),
+    or None when they share none."""
+    low = np.max([(cx - a, cy - b) for cx, cy, a, b in sections], axis=0)
+    high = np.min([(cx + a, cy + b) for cx, cy, a, b in sections], axis=0)
+    if (low >= high).any():
+        return None
+    xs, ys = np.meshgrid(np.linspace(low[0], high[0], 41), np.linspace(low[1], high[1], 41))
+    candidates = np.column_stack([xs.ravel(), ys.ravel()])
+    margin = np.min([1 - ((candidates[:, 0] - cx) / a) ** 2 - ((candidates[:, 1] - cy) / b) ** 2
+                     for cx, cy, a, b in sections], axis=0)  # fmt: skip
+    best = int(margin.argmax())
+    return candidates[best] if margin[best] > 1e-3 else None
+
+
+def _ray_to_ellipse(origin: np.ndarray, theta: np.ndarray, section: tuple[float, float, float, float]) -> np.ndarray:
+    """Distance from ``origin`` (inside the ellipse) to its boundary along each direction ``theta``: the positive
+    root of |origin + r (cos, sin) - centre|_ellipse = 1."""
+    cx, cy, a, b = section
+    dx, dy = np.cos(theta), np.sin(theta)
+    ox, oy = origin[0] - cx, origin[1] - cy
+    qa = (dx / a) ** 2 + (dy / b) ** 2
+    qb = 2 * (ox * dx / a**2 + oy * dy / b**2)
+    qc = (ox / a) ** 2 + (oy / b) ** 2 - 1
+    return (-qb + np.sqrt(qb**2 - 4 * qa * qc)) / (2 * qa)
+
+
+def _rtstruct_dataset(
+    slices: list[Dataset], contours: list[tuple[Dataset, np.ndarray]], roi_name: str, uid, series_number: int
+) -> Dataset:
+    """The RT Structure Set of one ROI (number 1, ``roi_name``) with ``contours`` (CT slice, (N, 3) LPS points)."""
+    ct = slices[0]
+    meta = FileMetaDataset()
+    meta.MediaStorageSOPClassUID, meta.MediaStorageSOPInstanceUID = RTStructureSetStorage, uid("rtstructsop")
+    meta.TransferSyntaxUID = ExplicitVRLittleEndian
+    ds = Dataset()
+    ds.file_meta = meta
+    ds.SOPClassUID, ds.SOPInstanceUID = RTStructureSetStorage, uid("rtstructsop")
+    for key in ("PatientID", "PatientName", "PatientSex", "PatientBirthDate", "StudyInstanceUID", "StudyDate",
+                "StudyTime", "StudyID", "AccessionNumber", "ReferringPhysicianName"):  # fmt: skip
+        setattr(ds, key, ct.get(key))
+    ds.Modality, ds.SeriesInstanceUID, ds.SeriesNumber = "RTSTRUCT", uid("rtstruct"), series_number
+    ds.InstanceNumber = 1
+    ds.Manufacturer, ds.OperatorsName, ds.StructureSetLabel = "synthetic", "", "synthetic"
+    ds.StructureSetDate, ds.StructureSetTime = "20260101", "120000"
+    series = Dataset()
+    series.SeriesInstanceUID = ct.SeriesInstanceUID
+    series.ContourImageSequence = [_image_reference(s) for s in slices]
+    study = Dataset()
+    study.ReferencedSOPClassUID, study.ReferencedSOPInstanceUID = "1.2.840.10008.3.1.2.3.1", ct.StudyInstanceUID
+    study.RTReferencedSeriesSequence = [series]
+    frame = Dataset()
+    frame.FrameOfReferenceUID, frame.RTReferencedStudySequence = ct.FrameOfReferenceUID, [study]
+    ds.ReferencedFrameOfReferenceSequence = [frame]
+    roi = Dataset()
+    roi.ROINumber, roi.ReferencedFrameOfReferenceUID, roi.ROIName = 1, ct.FrameOfReferenceUID, roi_name
+    roi.ROIGenerationAlgorithm = "MANUAL"
+    ds.StructureSetROISequence = [roi]
+    roi_contour = Dataset()
+    roi_contour.ReferencedROINumber, roi_contour.ROIDisplayColor = 1, [255, 0, 0]
+    if contours:
+        roi_contour.ContourSequence = [_contour_item(n, s, points) for n, (s, points) in enumerate(contours, 1)]
+    ds.ROIContourSequence = [roi_contour]
+    observation = Dataset()
+    observation.ObservationNumber, observation.ReferencedROINumber = 1, 1
+    observation.RTROIInterpretedType, observation.ROIInterpreter = "GTV", ""
+    ds.RTROIObservationsSequence = [observation]
+    return ds
+
+
+def _image_reference(ct_slice: Dataset) -> Dataset:
+    item = Dataset()
+    item.ReferencedSOPClassUID, item.ReferencedSOPInstanceUID = ct_slice.SOPClassUID, ct_slice.SOPInstanceUID
+    return item
+
+
+def _contour_item(number: int, ct_slice: Dataset, points: np.ndarray) -> Dataset:
+    """One CLOSED_PLANAR contour on ``ct_slice``, its points rounded to 0.1 micrometre (short DS strings)."""
+    item = Dataset()
+    item.ContourNumber, item.ContourImageSequence = number, [_image_reference(ct_slice)]
+    item.ContourGeometricType, item.NumberOfContourPoints = "CLOSED_PLANAR", len(points)
+    item.ContourData = [round(float(v), 4) for v in points.ravel()]
+    return item
 
 
 if __name__ == "__main__":

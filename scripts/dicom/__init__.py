@@ -2,6 +2,7 @@
 
 * :mod:`~scripts.dicom.ct` -- a CT series folder -> HU volume + LPS affine (checked before any pixel is decoded);
 * :mod:`~scripts.dicom.seg` -- a DICOM SEG -> label volume on that CT's grid (sparse SEGs, tolerant names);
+* :mod:`~scripts.dicom.rtstruct` -- an RTSTRUCT -> label volume on that CT's grid (contours rasterised in world mm);
 * :mod:`~scripts.dicom.case` -- both together, as ``scripts.prepare`` writes them;
 * :mod:`~scripts.dicom.codes` -- how structures are coded when the bundle writes DICOM.
 
@@ -10,19 +11,24 @@ Problems raise :class:`DicomCaseError` with a message that names the file and sa
 
 from scripts.dicom.case import CaseVolumes, read_case
 from scripts.dicom.codes import segment_description
-from scripts.dicom.common import LPS_TO_RAS, SEG_STORAGE, DicomCaseError
+from scripts.dicom.common import LPS_TO_RAS, RTSTRUCT_STORAGE, SEG_STORAGE, DicomCaseError
 from scripts.dicom.ct import CtSeries, read_ct_series, scan_ct_series, to_hu
+from scripts.dicom.rtstruct import find_rtstruct_file, is_rtstruct, read_rtstruct_labels
 from scripts.dicom.seg import find_seg_file, read_seg_labels
 
 __all__ = [
     "LPS_TO_RAS",
+    "RTSTRUCT_STORAGE",
     "SEG_STORAGE",
     "CaseVolumes",
     "CtSeries",
     "DicomCaseError",
+    "find_rtstruct_file",
     "find_seg_file",
+    "is_rtstruct",
     "read_case",
     "read_ct_series",
+    "read_rtstruct_labels",
     "read_seg_labels",
     "scan_ct_series",
     "segment_description",
