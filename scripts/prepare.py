@@ -43,7 +43,7 @@ import numpy as np
 from tqdm import tqdm
 
 from scripts.config import as_bool
-from scripts.dicom import DicomCaseError, find_seg_file, read_case
+from scripts.dicom import LABEL_SOURCES, DicomCaseError, find_annotation, read_case
 from scripts.files import check_case_name, display_name, fingerprint, save_nifti, write_json
 from scripts.geometry import voxel_volume_ml
 from scripts.labels import COLLECTION, check_labels
@@ -72,6 +72,7 @@ def prepare(
     num_workers: int | None = None,
     progress: bool = True,
     compress_images: bool = False,
+    label_source: str = "auto",
 ) -> dict:
     """Convert every case under ``dataset_dir/collection`` and write the datalist and the report.
 
@@ -86,20 +87,25 @@ def prepare(
         num_workers: cases converted in parallel (default: one per CPU).
         progress: show a progress bar.
         compress_images: write ``images/<case>.nii.gz`` instead of ``.nii`` (see the module docstring).
+        label_source: where labels come from: ``seg`` (DICOM SEG), ``rtstruct`` (RTSTRUCT contours, rasterised on
+            the CT grid) or ``auto`` (the SEG when a case has one, else its RTSTRUCT).
 
     Returns the report (also saved as ``prepare_report.json``). Raises :class:`PrepareError` when no case could
     be prepared, with the most common reasons, so that a wrong ``labels`` value fails at once.
     """
     labels = check_labels(labels, collection=None)
     compress_images = as_bool(compress_images, "compress_images")
+    if label_source not in LABEL_SOURCES:
+        raise ValueError(f"label_source={label_source!r}: choose one of {list(LABEL_SOURCES)}.")
     if not 0 <= val_fraction < 1 or not 0 <= test_fraction < 1 or val_fraction + test_fraction >= 1:
         raise ValueError(f"val_fraction={val_fraction} and test_fraction={test_fraction} must leave training cases.")
     output_dir = Path(output_dir)
     cases = find_cases(dataset_dir, collection)
-    records, todo = _reuse_up_to_date(cases, output_dir, labels, compress_images)
+    records, todo = _reuse_up_to_date(cases, output_dir, {"labels": labels, "label_source": label_source},
+                                      compress_images)  # fmt: skip
     for sub in ("images", "labels"):
         (output_dir / sub).mkdir(parents=True, exist_ok=True)
-    for record in _convert(todo, output_dir, labels, compress_images, num_workers, progress):
+    for record in _convert(todo, output_dir, labels, label_source, compress_images, num_workers, progress):
         records[record["case_id"]] = record
 
     ordered = [records[c["case_id"]] for c in cases]
@@ -114,6 +120,7 @@ def prepare(
     datalist = split_cases(good, val_fraction, test_fraction, num_folds, seed)
     datalist.update({"labels": labels, "collection": collection})
     report = _report(dataset_dir, collection, labels, ordered)
+    report["label_source"] = label_source
     write_json(output_dir / DATALIST, datalist)
     write_json(output_dir / REPORT, report)
     logger.info("prepared %d, up to date %d, rejected %d -> %s", report["num_prepared"], report["num_up_to_date"],
@@ -122,12 +129,13 @@ def prepare(
 
 
 def _reuse_up_to_date(
-    cases: list[dict], output_dir: Path, labels: list[str], compress: bool
+    cases: list[dict], output_dir: Path, settings: dict, compress: bool
 ) -> tuple[dict[str, dict], list[dict]]:
-    """Records of the cases a previous run prepared for the same labels and whose outputs are up to date, and the
-    cases still to convert."""
+    """Records of the cases a previous run prepared with the same ``settings`` (labels, label source) and whose
+    outputs are up to date, and the cases still to convert."""
     previous = _load_json(output_dir / REPORT) or {}
-    old_records = {r["case_id"]: r for r in previous.get("cases", [])} if previous.get("labels") == labels else {}
+    same = all(previous.get(k, "auto" if k == "label_source" else None) == v for k, v in settings.items())
+    old_records = {r["case_id"]: r for r in previous.get("cases", [])} if same else {}
     records: dict[str, dict] = {}
     todo = []
     for case in cases:
@@ -140,8 +148,9 @@ def _reuse_up_to_date(
 
 
 def _convert(
-    todo: list[dict], output_dir: Path, labels: list[str], compress: bool, num_workers: int | None, progress: bool
-) -> list[dict]:
+    todo: list[dict], output_dir: Path, labels: list[str], source: str, compress: bool, num_workers: int | None,
+    progress: bool,
+) -> list[dict]:  # fmt: skip
     """:func:`prepare_case` for every case of ``todo``, in worker processes when there are several."""
     # a worker process costs seconds to start (it imports the launching program -- torch and MONAI under
     # `monai.bundle run`), about as much as converting a few cases: each worker gets CASES_PER_WORKER at least
@@ -150,12 +159,12 @@ def _convert(
     with tqdm(total=len(todo), desc="prepare", unit="case", disable=not progress or not todo) as bar:
         if workers <= 1:
             for case in todo:
-                records.append(prepare_case(case, output_dir, labels, compress))
+                records.append(prepare_case(case, output_dir, labels, compress, source))
                 bar.update()
             return records
         # spawn, not fork: the parent may hold torch/OpenMP threads that a forked child would inherit broken
         with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-            futures = [pool.submit(prepare_case, case, output_dir, labels, compress) for case in todo]
+            futures = [pool.submit(prepare_case, case, output_dir, labels, compress, source) for case in todo]
             for future in as_completed(futures):
                 records.append(future.result())
                 bar.update()
@@ -215,7 +224,9 @@ def find_cases(dataset_dir: str | Path, collection: str = COLLECTION) -> list[di
     return cases
 
 
-def prepare_case(case: dict, output_dir: str | Path, labels: Sequence[str], compress_images: bool = False) -> dict:
+def prepare_case(
+    case: dict, output_dir: str | Path, labels: Sequence[str], compress_images: bool = False, label_source: str = "auto"
+) -> dict:
     """Convert one case; never raises for bad data -- returns a ``rejected`` record with the reason instead."""
     output_dir = Path(output_dir)
     series_dir = Path(case["path"])
@@ -227,15 +238,16 @@ def prepare_case(case: dict, output_dir: str | Path, labels: Sequence[str], comp
         return record
     try:
         record["fingerprint"] = fingerprint(series_dir)  # before reading: a change while converting shows next run
-        seg_file = find_seg_file(series_dir / "seg")
+        annotation = find_annotation(series_dir, label_source)
+        record["annotation"] = str(annotation.relative_to(series_dir))
         image_dir = series_dir / "image"
         if not image_dir.is_dir():
             raise DicomCaseError(f"{image_dir}: no image folder; the CT series of this case was not downloaded.")
-        volumes = read_case(image_dir, seg_file, labels)
+        volumes = read_case(image_dir, annotation, labels)
         for index, name in enumerate(labels):
             if not np.any(volumes.label == index + 1):
                 raise DicomCaseError(
-                    f"{seg_file}: segment(s) {volumes.segments[name]} for label {name!r} are empty "
+                    f"{annotation}: segment(s) {volumes.segments[name]} for label {name!r} are empty "
                     "(e.g. a post-operative scan without tumour); the case cannot be used for training."
                 )
         image_path, label_path = _outputs(case, output_dir, compress_images)

@@ -9,7 +9,7 @@
 Problems raise :class:`DicomCaseError` with a message that names the file and says what to do.
 """
 
-from scripts.dicom.case import CaseVolumes, read_case
+from scripts.dicom.case import LABEL_SOURCES, CaseVolumes, find_annotation, read_case
 from scripts.dicom.codes import segment_description
 from scripts.dicom.common import LPS_TO_RAS, RTSTRUCT_STORAGE, SEG_STORAGE, DicomCaseError
 from scripts.dicom.ct import CtSeries, read_ct_series, scan_ct_series, to_hu
@@ -17,12 +17,14 @@ from scripts.dicom.rtstruct import find_rtstruct_file, is_rtstruct, read_rtstruc
 from scripts.dicom.seg import find_seg_file, read_seg_labels
 
 __all__ = [
+    "LABEL_SOURCES",
     "LPS_TO_RAS",
     "RTSTRUCT_STORAGE",
     "SEG_STORAGE",
     "CaseVolumes",
     "CtSeries",
     "DicomCaseError",
+    "find_annotation",
     "find_rtstruct_file",
     "find_seg_file",
     "is_rtstruct",

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
+import pydicom
 
 #: LPS (DICOM patient) to RAS (NIfTI world) coordinates
 LPS_TO_RAS = np.diag([-1.0, -1.0, 1.0, 1.0])
@@ -12,3 +15,30 @@ RTSTRUCT_STORAGE = "1.2.840.10008.5.1.4.1.1.481.3"  # RT Structure Set Storage S
 
 class DicomCaseError(ValueError):
     """A case that cannot be read; the message names the case, the file and what to do."""
+
+
+def sop_class_of(path: Path) -> str:
+    """The file's SOP Class UID from its header ('' when it is not DICOM or has none); pixels are not read."""
+    try:
+        ds = pydicom.dcmread(path, stop_before_pixels=True, specific_tags=["SOPClassUID"])
+    except Exception:  # anything unreadable is "not this object"; the caller says what was expected
+        return ""
+    return str(ds.get("SOPClassUID", "") or getattr(ds.get("file_meta"), "MediaStorageSOPClassUID", "") or "")
+
+
+def find_single(folder: str | Path, sop_class: str, kind: str) -> Path:
+    """The one ``kind`` object (by SOP Class, whatever the file names) in ``folder``; other files beside it (another
+    kind of annotation, a DICOMDIR, notes) are ignored. :class:`DicomCaseError` when there is none or several."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise DicomCaseError(f"{folder}: no such folder; this case has no {kind} to read labels from.")
+    files = sorted(p for p in folder.iterdir() if p.is_file() and not p.name.startswith("."))
+    found = [p for p in files if sop_class_of(p) == sop_class]
+    if not found:
+        named = [p.name for p in files if p.suffix.lower() == ".dcm"]
+        detail = f" ({', '.join(named[:5])} are not {kind} objects)" if named else ""
+        raise DicomCaseError(f"{folder}: holds no {kind}{detail}; download the case again.")
+    if len(found) > 1:
+        names = ", ".join(p.name for p in found)
+        raise DicomCaseError(f"{folder}: {len(found)} {kind} objects ({names}), expected one; keep the one to use.")
+    return found[0]

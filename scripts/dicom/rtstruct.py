@@ -29,7 +29,7 @@ import pydicom
 from skimage.draw import polygon
 from skimage.measure import points_in_poly
 
-from scripts.dicom.common import RTSTRUCT_STORAGE, DicomCaseError
+from scripts.dicom.common import RTSTRUCT_STORAGE, DicomCaseError, find_single
 from scripts.dicom.ct import SLICE_TOLERANCE, CtSeries
 from scripts.labels import matching
 
@@ -51,16 +51,8 @@ def is_rtstruct(path: str | Path) -> bool:
 
 
 def find_rtstruct_file(rtstruct_dir: str | Path) -> Path:
-    """The single RTSTRUCT file in a case's ``rtstruct`` folder."""
-    rtstruct_dir = Path(rtstruct_dir)
-    if not rtstruct_dir.is_dir():
-        raise DicomCaseError(f"{rtstruct_dir}: no rtstruct folder; this case has no RTSTRUCT to read labels from.")
-    files = sorted(p for p in rtstruct_dir.iterdir() if p.is_file() and p.suffix.lower() == ".dcm")
-    if not files:
-        raise DicomCaseError(f"{rtstruct_dir}: the rtstruct folder holds no .dcm file; download the case again.")
-    if len(files) > 1:
-        raise DicomCaseError(f"{rtstruct_dir}: {len(files)} RTSTRUCT files found, expected one; keep the one to use.")
-    return files[0]
+    """The single RTSTRUCT in a case's ``rtstruct`` folder, found by SOP Class whatever the file names."""
+    return find_single(rtstruct_dir, RTSTRUCT_STORAGE, "RTSTRUCT")
 
 
 def read_rtstruct_labels(rtstruct_file: str | Path, ct: CtSeries, labels: Sequence[str]) -> tuple[np.ndarray, dict]:

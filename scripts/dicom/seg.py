@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pydicom
 
-from scripts.dicom.common import SEG_STORAGE, DicomCaseError
+from scripts.dicom.common import SEG_STORAGE, DicomCaseError, find_single
 from scripts.dicom.ct import SLICE_TOLERANCE, CtSeries
 from scripts.labels import matching
 
@@ -78,32 +78,8 @@ def read_seg_labels(seg_file: str | Path, ct: CtSeries, labels: Sequence[str]) -
 
 
 def find_seg_file(seg_dir: str | Path) -> Path:
-    """The single DICOM SEG in a case's ``seg`` folder, found by SOP Class whatever the file names; other objects
-    beside it (an RTSTRUCT, a DICOMDIR, notes) are ignored."""
-    seg_dir = Path(seg_dir)
-    if not seg_dir.is_dir():
-        raise DicomCaseError(f"{seg_dir}: no seg folder; this case has no segmentation to train on.")
-    files = sorted(p for p in seg_dir.iterdir() if p.is_file() and not p.name.startswith("."))
-    segs = [p for p in files if sop_class_of(p) == SEG_STORAGE]
-    if not segs:
-        named = [p.name for p in files if p.suffix.lower() == ".dcm"]
-        detail = f" ({', '.join(named[:5])} are not SEG objects)" if named else ""
-        raise DicomCaseError(f"{seg_dir}: the seg folder holds no DICOM SEG{detail}; download the case again.")
-    if len(segs) > 1:
-        raise DicomCaseError(
-            f"{seg_dir}: {len(segs)} DICOM SEG objects ({', '.join(p.name for p in segs)}), expected one; keep the SEG "
-            "to use."
-        )
-    return segs[0]
-
-
-def sop_class_of(path: Path) -> str:
-    """The file's SOP Class UID from its header ('' when it is not DICOM or has none); pixels are not read."""
-    try:
-        ds = pydicom.dcmread(path, stop_before_pixels=True, specific_tags=["SOPClassUID"])
-    except Exception:  # anything unreadable is "not this object"; the caller says what was expected
-        return ""
-    return str(ds.get("SOPClassUID", "") or getattr(ds.get("file_meta"), "MediaStorageSOPClassUID", "") or "")
+    """The single DICOM SEG in a case's ``seg`` folder, found by SOP Class whatever the file names."""
+    return find_single(seg_dir, SEG_STORAGE, "DICOM SEG")
 
 
 def _read_seg(seg_file: Path) -> pydicom.Dataset:
