@@ -49,11 +49,11 @@ def render_case(
     ``ct`` (HU, or any intensity shown through ``window``) may be None: the masks are then drawn on black.
     """
     truth, pred = to_lps(np.asarray(truth) > 0, affine), to_lps(np.asarray(pred) > 0, affine)
-    ct = np.zeros(truth.shape, np.float32) if ct is None else to_lps(np.asarray(ct, dtype=np.float32), affine)
+    low, high = float(window[0]), float(window[1])
+    ct = np.full(truth.shape, low, np.float32) if ct is None else to_lps(np.asarray(ct, dtype=np.float32), affine)
     area = truth.sum((0, 1)) if truth.any() else pred.sum((0, 1))
     k = int(area.argmax()) if area.any() else truth.shape[2] // 2
 
-    low, high = float(window[0]), float(window[1])
     gray = (np.clip((ct[:, :, k].T - low) / max(high - low, 1e-6), 0, 1) * 255).astype(np.uint8)
     rgb = np.repeat(gray[..., None], 3, axis=-1)
     t_edge, p_edge = _edge(truth[:, :, k].T), _edge(pred[:, :, k].T)

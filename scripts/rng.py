@@ -44,7 +44,8 @@ def random_generators(root: Any) -> list[np.random.RandomState]:
     """Every ``RandomState`` reachable from a (nested) Compose or list, in a stable order.
 
     Transforms keep generators in nested helpers too (``RandCropByPosNegLabeld.cropper``), so attributes are walked,
-    not only ``Compose.transforms``.
+    not only ``Compose.transforms``; a transform outside any Compose draws from MONAI's shared class-level generator,
+    which is then listed (once).
     """
     found: list[np.random.RandomState] = []
     seen: set[int] = set()
@@ -64,6 +65,9 @@ def random_generators(root: Any) -> list[np.random.RandomState]:
         elif type(obj).__module__.startswith(("monai.", "scripts.")) and hasattr(obj, "__dict__"):
             for item in vars(obj).values():
                 visit(item, depth + 1)
+            # a transform never seeded by a Compose draws from MONAI's class-level ``Randomizable.R`` (not in vars)
+            if "R" not in vars(obj) and isinstance(getattr(obj, "R", None), np.random.RandomState):
+                visit(obj.R, depth + 1)
 
     visit(root, 0)
     return found

@@ -132,19 +132,27 @@ def existing_case(dest: Path, uid: str, label: str, seg_folder: str) -> dict | N
 
 
 def move_into_place(temp: Path, dest: Path) -> None:
-    """Rename ``temp`` to ``dest`` (replacing our own damaged copy via a backup rename), across devices if must."""
+    """Rename ``temp`` to ``dest`` (replacing our own damaged copy via a backup rename), across devices if must.
+
+    If the move fails, ``dest`` is put back as it was (no hidden backup or partial copy is left behind)."""
     dest.parent.mkdir(parents=True, exist_ok=True)
     backup = dest.parent / f".{dest.name}.old-{os.getpid()}"
+    near = dest.parent / f".{dest.name}.tmp-{os.getpid()}"
     if dest.exists():
         os.rename(dest, backup)
     try:
-        os.rename(temp, dest)
-    except OSError as err:
-        if err.errno != errno.EXDEV:
-            raise
-        near = dest.parent / f".{dest.name}.tmp-{os.getpid()}"
-        shutil.copytree(temp, near)
-        os.rename(near, dest)
+        try:
+            os.rename(temp, dest)
+        except OSError as err:
+            if err.errno != errno.EXDEV:
+                raise
+            shutil.copytree(temp, near)
+            os.rename(near, dest)
+    except BaseException:
+        shutil.rmtree(near, ignore_errors=True)
+        if backup.exists() and not dest.exists():
+            os.rename(backup, dest)
+        raise
     shutil.rmtree(backup, ignore_errors=True)
 
 

@@ -1,0 +1,105 @@
+"""Training throughput as the benchmark reports it: on a real ignite Engine whose data and steps take known times,
+the warm-up steps are left out, the run stops after ``steps`` timed steps, ms/step and the data-wait fraction match the
+injected times, and the JSON report carries the switches and the device report. The model-FLOP figure is given only
+where the count is known (SwinUNETR feature_size 48)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+from ignite.engine import Engine
+
+from scripts import benchmark
+from scripts.benchmark import StepTimer, tflop_per_patch
+
+DATA_S, STEP_S, WARMUP_STEP_S = 0.020, 0.040, 0.300
+WARMUP, STEPS = 2, 5
+
+
+def slow_batches():
+    """An endless loader that takes ``DATA_S`` per batch."""
+    while True:
+        time.sleep(DATA_S)
+        yield "batch"
+
+
+def trainer() -> Engine:
+    """An engine whose first ``WARMUP`` steps are slow (as compilation is) and the others take ``STEP_S``."""
+
+    def step(engine: Engine, batch) -> None:
+        time.sleep(WARMUP_STEP_S if engine.state.iteration <= WARMUP else STEP_S)
+
+    return Engine(step)
+
+
+def timed_run(path: Path, **kwargs) -> tuple[Engine, StepTimer]:
+    engine = trainer()
+    timer = StepTimer(path, "cpu", warmup=WARMUP, steps=STEPS, **kwargs)
+    timer.attach(engine)
+    engine.run(slow_batches(), max_epochs=1, epoch_length=1000)
+    return engine, timer
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory):
+    path = tmp_path_factory.mktemp("bench") / "benchmark.json"
+    switches = {"cache": "disk", "amp": True, "roi_size": [96, 96, 96], "dataset_dir": Path("/data")}
+    engine, timer = timed_run(path, patches_per_step=2, switches=switches, device_report={"name": "test CPU"})
+    return engine, timer, path
+
+
+def test_run_stops_after_warmup_plus_steps(measured):
+    engine, timer, _ = measured
+    assert engine.state.iteration == WARMUP + STEPS
+    assert len(timer.total) == len(timer.wait) == STEPS
+
+
+def test_times_match_the_injected_ones_and_leave_out_the_warmup(measured):
+    _, _, path = measured
+    result = json.loads(path.read_text())["result"]
+    step_ms = 1000 * (DATA_S + STEP_S)
+    assert result["warmup_steps"] == WARMUP and result["timed_steps"] == STEPS
+    assert step_ms <= result["ms_per_step_median"] < step_ms + 40
+    assert result["ms_per_step_mean"] < 1000 * WARMUP_STEP_S / 2, "the slow warm-up steps are not in the mean"
+    assert result["ms_per_step_p90"] >= result["ms_per_step_median"]
+    assert 1000 * DATA_S <= result["data_wait_ms_median"] < 1000 * DATA_S + 25
+    assert result["data_wait_fraction"] == pytest.approx(DATA_S / (DATA_S + STEP_S), abs=0.12)
+    assert result["patches_per_s"] == pytest.approx(2 * 1000 / result["ms_per_step_mean"], rel=1e-9)
+    assert result["ranks"] == 1 and result["global_patches_per_s"] == result["patches_per_s"]
+    assert result["peak_memory_kind"] == "host RSS" and result["peak_memory_gib"] > 0
+    assert "model_tflop_per_s" not in result, "no FLOP figure without a known count"
+
+
+def test_report_carries_the_switches_and_the_device(measured):
+    _, _, path = measured
+    report = json.loads(path.read_text())
+    assert report["switches"] == {"cache": "disk", "amp": True, "roi_size": [96, 96, 96], "dataset_dir": "/data"}
+    assert report["device"] == {"name": "test CPU"}
+    assert path.read_text().endswith("}\n")
+
+
+def test_summary_line_is_printed(tmp_path, capsys):
+    timed_run(tmp_path / "b.json", tflop_per_patch=1.9)
+    line = capsys.readouterr().out.strip()
+    assert line.startswith("benchmark: ") and "ms/step" in line and "data wait" in line
+    assert line.endswith(str(tmp_path / "b.json"))
+    result = json.loads((tmp_path / "b.json").read_text())["result"]
+    assert result["model_tflop_per_s"] == pytest.approx(result["patches_per_s"] * 1.9)
+
+
+def test_disabled_timer_stops_the_run_but_writes_nothing(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(benchmark, "is_rank0", lambda: False)
+    engine, _ = timed_run(tmp_path / "rank1.json")
+    assert engine.state.iteration == WARMUP + STEPS, "every rank stops after the same steps"
+    assert list(tmp_path.iterdir()) == [] and capsys.readouterr().out == ""
+
+
+def test_flop_count_is_known_only_for_feature_size_48():
+    assert tflop_per_patch(48, [96, 96, 96]) == pytest.approx(1.9)
+    assert tflop_per_patch("48", [96, 96, 192]) == pytest.approx(3.8)
+    assert tflop_per_patch(48, [64, 64, 64]) == pytest.approx(1.9 * (64 / 96) ** 3)
+    assert tflop_per_patch(24, [96, 96, 96]) is None
+    assert tflop_per_patch(12, [96, 96, 96]) is None

@@ -1,0 +1,112 @@
+"""A CLI *is* its API function: ``command`` keeps the function's signature and docstring (what ``fire`` turns into
+``--help``), turns the listed errors into ``<name>: <message>`` without a traceback, and makes the report's status the
+exit status. The bundle's two CLIs show their API's parameters in ``--help`` and fail on a bad argument with one line.
+"""
+
+from __future__ import annotations
+
+import inspect
+import subprocess
+import sys
+
+import pytest
+
+from scripts.cli import command
+from scripts.prepare import prepare
+from scripts.tcia import download
+
+
+def convert(dataset_dir: str, limit: int | None = None, *, dry_run: bool = False) -> dict:
+    """Convert the cases in ``dataset_dir``.
+
+    Args:
+        dataset_dir: where the cases are.
+        limit: at most this many.
+    """
+    if limit == 0:
+        raise ValueError("limit must be positive")
+    if limit == -1:
+        raise KeyError("a programming error")
+    return {"dataset_dir": dataset_dir, "limit": limit, "dry_run": dry_run}
+
+
+class Report:
+    def __init__(self, status: int | None = None) -> None:
+        self.status, self.results = status, []
+
+    def __call__(self, result) -> int | None:
+        self.results.append(result)
+        return self.status
+
+
+def test_wrapped_function_keeps_its_signature_and_docstring():
+    cli = command(convert, Report())
+    assert inspect.signature(cli) == inspect.signature(convert)
+    assert cli.__doc__ == convert.__doc__ and cli.__name__ == "convert"
+
+
+def test_success_passes_arguments_through_and_returns_none():
+    report = Report()
+    assert command(convert, report)("/data", limit=3, dry_run=True) is None
+    assert report.results == [{"dataset_dir": "/data", "limit": 3, "dry_run": True}]
+
+
+def test_listed_error_becomes_a_one_line_exit_named_after_the_function():
+    report = Report()
+    with pytest.raises(SystemExit) as exit_info:
+        command(convert, report)("/data", limit=0)
+    assert exit_info.value.code == "convert: limit must be positive"
+    assert exit_info.value.__cause__ is None and exit_info.value.__suppress_context__, "no chained traceback"
+    assert report.results == [], "nothing is reported for a failed run"
+
+
+def test_error_prefix_is_the_given_name():
+    with pytest.raises(SystemExit) as exit_info:
+        command(convert, Report(), errors=(KeyError, ValueError), name="tool")("/data", limit=-1)
+    assert exit_info.value.code == "tool: 'a programming error'"
+
+
+def test_unlisted_error_is_raised_as_it_is():
+    with pytest.raises(KeyError, match="a programming error"):
+        command(convert, Report(), errors=(ValueError,))("/data", limit=-1)
+
+
+@pytest.mark.parametrize("status", [1, 2])
+def test_report_status_becomes_the_exit_status(status):
+    with pytest.raises(SystemExit) as exit_info:
+        command(convert, Report(status))("/data")
+    assert exit_info.value.code == status
+
+
+def test_report_status_zero_is_success():
+    assert command(convert, Report(0))("/data") is None
+
+
+def run_module(root, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", *args], cwd=root, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "function"),
+    [(("scripts.prepare", "--help"), prepare), (("scripts.tcia", "download", "--help"), download)],
+    ids=["prepare", "tcia-download"],
+)
+def test_help_lists_the_api_parameters(root, args, function):
+    result = run_module(root, *args)
+    assert result.returncode == 0, result.stderr[-2000:]
+    shown = result.stdout + result.stderr  # fire writes help to stderr when it is not a terminal
+    parameters = list(inspect.signature(function).parameters)
+    assert len(parameters) >= 5
+    for parameter in parameters:
+        assert parameter.upper() in shown, f"{parameter} missing from {' '.join(args)}"
+    assert function.__doc__.splitlines()[0].strip()[:40] in shown
+
+
+def test_bad_argument_exits_1_with_one_line_and_no_traceback(root, tmp_path):
+    result = run_module(root, "scripts.tcia", "download", "--dataset_dir", str(tmp_path), "--limit", "0")
+    assert result.returncode == 1
+    assert "tcia: limit must be a positive integer" in result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+    assert list(tmp_path.iterdir()) == [], "nothing was written"

@@ -1,0 +1,117 @@
+"""Atomic writes: a reader never sees half a file, a failed write keeps the previous version and leaves no temporary
+file behind, writers that choose their format by extension get the right one, JSON is written as documented, and a
+NIfTI carries its affine as both qform and sform."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import nibabel as nib
+import numpy as np
+import pytest
+
+from scripts.files import replace_atomically, save_nifti, write_json, write_text
+
+
+def test_successful_write_puts_the_file_in_place_and_leaves_no_temporary(tmp_path):
+    target = tmp_path / "deep" / "er" / "report.txt"
+    seen = []
+
+    def write(tmp: Path) -> None:
+        seen.append(tmp)
+        assert not target.exists(), "the target appears only once the write is complete"
+        tmp.write_text("done")
+
+    assert replace_atomically(target, write) == target
+    assert target.read_text() == "done"
+    assert seen[0].parent == target.parent, "the temporary file is a sibling (same file system: atomic rename)"
+    assert seen[0].name.startswith("."), "the temporary file is hidden from folder listings"
+    assert sorted(p.name for p in target.parent.iterdir()) == ["report.txt"]
+
+
+def test_failed_write_keeps_the_previous_version_and_removes_the_temporary(tmp_path):
+    target = tmp_path / "labels.json"
+    write_json(target, {"version": 1})
+
+    def half_then_crash(tmp: Path) -> None:
+        tmp.write_text('{"version": 2, "trunc')
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        replace_atomically(target, half_then_crash)
+    assert json.loads(target.read_text()) == {"version": 1}
+    assert [p.name for p in tmp_path.iterdir()] == ["labels.json"]
+
+
+def test_writer_that_fails_before_creating_anything_leaves_nothing(tmp_path):
+    def crash(tmp: Path) -> None:
+        raise ValueError("bad data")
+
+    with pytest.raises(ValueError, match="bad data"):
+        replace_atomically(tmp_path / "new.txt", crash)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("name", "suffix"),
+    [("case.nii.gz", ".nii.gz"), ("case.nii", ".nii"), ("model.pt", ".pt"), ("LUNG1-001_seg.dcm", ".dcm")],
+)
+def test_temporary_file_keeps_the_full_suffix(tmp_path, name, suffix):
+    names = []
+    replace_atomically(tmp_path / name, lambda tmp: (names.append(tmp.name), tmp.write_bytes(b"x")))
+    assert names[0].endswith(suffix)
+    assert not names[0].endswith(".gz" + suffix), "no suffix is doubled"
+    assert Path(names[0]).name != name
+
+
+@pytest.mark.parametrize(("name", "gzipped"), [("volume.nii.gz", True), ("volume.nii", False)])
+def test_nibabel_writes_the_format_the_final_name_asks_for(tmp_path, name, gzipped):
+    path = save_nifti(tmp_path / name, np.arange(24, dtype=np.int16).reshape(2, 3, 4), np.eye(4))
+    magic = path.read_bytes()[:2]
+    assert (magic == b"\x1f\x8b") is gzipped
+    if gzipped:
+        gzip.decompress(path.read_bytes())  # a whole gzip stream, not a renamed plain file
+    assert nib.load(path).get_fdata().sum() == sum(range(24))
+
+
+def test_write_json_is_indented_ends_with_a_newline_and_passes_kwargs(tmp_path):
+    path = write_json(tmp_path / "r.json", {"b": Path("/data/x"), "a": [1, 2]}, default=str, sort_keys=True)
+    text = path.read_text()
+    assert text == '{\n  "a": [\n    1,\n    2\n  ],\n  "b": "/data/x"\n}\n'
+    with pytest.raises(TypeError):
+        write_json(tmp_path / "s.json", {"b": Path("/data/x")})  # without default=str a Path is not JSON
+    assert not (tmp_path / "s.json").exists()
+    assert write_text(tmp_path / "t.txt", "hello").read_text() == "hello"
+
+
+def lps_like_affine() -> np.ndarray:
+    """A CT-like affine: anisotropic spacing, x and y flipped (an LPS-stored volume seen in RAS), an origin."""
+    affine = np.diag([-0.8, -0.8, 2.5, 1.0])
+    affine[:3, 3] = [120.0, 95.5, -310.0]
+    return affine
+
+
+def test_save_nifti_sets_qform_and_sform_to_the_affine_and_round_trips(tmp_path):
+    rng = np.random.default_rng(0)
+    labels = rng.integers(0, 3, size=(7, 6, 5)).astype(np.uint8)
+    affine = lps_like_affine()
+    image = nib.load(save_nifti(tmp_path / "seg.nii.gz", labels, affine))
+    qform, qcode = image.get_qform(coded=True)
+    sform, scode = image.get_sform(coded=True)
+    assert (int(qcode), int(scode)) == (1, 1)
+    np.testing.assert_allclose(qform, affine, atol=1e-5)
+    np.testing.assert_allclose(sform, affine, atol=1e-5)
+    np.testing.assert_allclose(image.affine, affine, atol=1e-5)
+    assert image.get_data_dtype() == np.uint8
+    np.testing.assert_array_equal(np.asarray(image.dataobj), labels)
+
+
+def test_save_nifti_replaces_an_existing_file(tmp_path):
+    path = tmp_path / "seg.nii.gz"
+    save_nifti(path, np.zeros((2, 2, 2), np.uint8), np.eye(4))
+    save_nifti(path, np.ones((3, 3, 3), np.uint8), lps_like_affine())
+    image = nib.load(path)
+    assert image.shape == (3, 3, 3) and np.asarray(image.dataobj).all()
+    assert [p.name for p in tmp_path.iterdir()] == ["seg.nii.gz"]
