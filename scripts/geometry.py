@@ -2,24 +2,24 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import numpy as np
-import torch
 
 
-def spacing_of(affine: np.ndarray | torch.Tensor) -> tuple[float, ...]:
-    """Voxel size in mm along each array axis: the lengths of the affine's first three columns."""
-    affine = np.asarray(affine.cpu() if isinstance(affine, torch.Tensor) else affine, dtype=float)
+def spacing_of(affine) -> tuple[float, ...]:
+    """Voxel size in mm along each array axis: the lengths of the affine's first three columns (a numpy array or a
+    torch tensor; torch is not imported here, so CLIs that only prepare data start fast)."""
+    affine = _numpy(affine)
     return tuple(float(v) for v in np.linalg.norm(affine[:3, :3], axis=0))
 
 
-def voxel_volume_ml(affine_or_spacing: np.ndarray | torch.Tensor | Sequence[float]) -> float:
+def voxel_volume_ml(affine_or_spacing) -> float:
     """The volume of one voxel in ml, from an affine (the determinant of its 3x3 part, right for sheared grids too)
     or from three voxel sizes in mm."""
-    values = np.asarray(
-        affine_or_spacing.cpu() if isinstance(affine_or_spacing, torch.Tensor) else affine_or_spacing, dtype=float
-    )
+    values = _numpy(affine_or_spacing)
     if values.ndim == 2:
         return float(abs(np.linalg.det(values[:3, :3]))) / 1000.0
     return float(np.prod(values)) / 1000.0
+
+
+def _numpy(values) -> np.ndarray:
+    return np.asarray(values.cpu() if hasattr(values, "cpu") else values, dtype=float)

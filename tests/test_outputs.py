@@ -116,25 +116,45 @@ def test_no_seg_unless_asked_for_and_the_input_is_dicom(tmp_path, dicom_case, wr
     assert sorted(p.name for p in (tmp_path / "P1").iterdir()) == ["P1_seg.nii.gz"]
 
 
-def run_inference(output_dir: Path, cases: int) -> None:
-    engine = Engine(lambda engine, batch: None)
+def run_inference(output_dir: Path, cases: int, failed: tuple[str, ...] = ()) -> None:
+    """An engine whose iterations are cases: each one's output names its files, as SaveCased leaves them, unless it
+    is in ``failed`` (then the engine records it, as CaseByCaseEvaluator does, and the output is empty)."""
+
+    def step(engine: Engine, case_id: str):
+        engine.state.batch = [{"case_id": case_id}]
+        if case_id in failed:
+            engine.failures.append({"case_id": case_id, "stage": "read", "reason": f"{case_id}: cut pixel data"})
+            engine.state.batch = []
+            return []
+        return [{"pred_files": {"nifti": str(output_dir / case_id / f"{case_id}_seg.nii.gz")}}]
+
+    engine = Engine(step)
+    engine.failures = []
     InferenceSummary(output_dir).attach(engine)
-    engine.run(range(cases), max_epochs=1)
+    engine.run([f"C{i}" for i in range(cases)], max_epochs=1)
 
 
-def test_summary_prints_one_line_with_cases_and_skipped(tmp_path, capsys):
-    report = {"skipped": [{"case_id": "A", "reason": "no CT"}, {"case_id": "B", "reason": "mixed series"}]}
+def test_summary_records_each_case_and_prints_one_line(tmp_path, capsys):
+    report = {"cases": [{"case_id": f"C{i}", "status": "pending"} for i in range(3)],
+              "skipped": [{"input": "A", "reason": "no CT"}, {"input": "B", "reason": "no CT"}]}  # fmt: skip
     (tmp_path / "inference_report.json").write_text(json.dumps(report))
-    run_inference(tmp_path, 3)
+    run_inference(tmp_path, 3, failed=("C1",))
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 1
-    assert lines[0].startswith("inferred 3 case(s) in ") and "s per case" in lines[0]
-    assert f"-> {tmp_path}; skipped 2 (see inference_report.json)" in lines[0]
+    assert lines[0].startswith("inferred 2 case(s) in ") and "s per case" in lines[0]
+    assert f"-> {tmp_path}; failed 1, skipped 2 (see inference_report.json)" in lines[0]
+    written = json.loads((tmp_path / "inference_report.json").read_text())
+    status = {c["case_id"]: c["status"] for c in written["cases"]}
+    assert status == {"C0": "done", "C1": "failed", "C2": "done"}
+    failed = next(c for c in written["cases"] if c["case_id"] == "C1")
+    assert failed["stage"] == "read" and "cut pixel data" in failed["reason"]
+    assert written["num_done"] == 2 and written["num_failed"] == 1 and written["num_skipped"] == 2
 
 
-def test_summary_without_a_report_skipped_nothing_and_counts_each_run_afresh(tmp_path, capsys):
+def test_summary_without_a_report_counts_each_run_afresh(tmp_path, capsys):
     run_inference(tmp_path, 2)
+    (tmp_path / "inference_report.json").unlink()
     run_inference(tmp_path, 4)
     first, second = capsys.readouterr().out.splitlines()
     assert first.startswith("inferred 2 case(s)") and second.startswith("inferred 4 case(s)")
-    assert first.endswith("skipped 0 (see inference_report.json)")
+    assert first.endswith("failed 0, skipped 0 (see inference_report.json)")
