@@ -1,9 +1,13 @@
 """What inference writes per case, the report of every case's outcome, and the command's exit status.
 
-* :class:`SaveCased` writes ``<output_dir>/<case>/<case>_seg.nii.gz`` on the input's own grid and, for DICOM input,
-  the DICOM objects of :mod:`scripts.writers` (``<case>_seg.dcm``). A case's files are written into a hidden folder
-  and moved into place together: a case that fails while writing leaves nothing half-written, and its outputs from
-  an earlier run stay as they were.
+* :class:`SaveCased` writes, per case, into ``<output_dir>/<case>/``: ``<case>_seg.nii.gz`` on the input's own grid;
+  the tumour report (:mod:`scripts.report`: volume, components, RECIST axes, 3D diameter, centroid, side, slices, HU)
+  as ``<case>_report.json`` and a picture of the axial, coronal and sagittal planes through the tumour,
+  ``<case>_report.png``; and, for DICOM input, the DICOM objects of :mod:`scripts.writers` that reference the CT
+  series: ``<case>_seg.dcm`` (DICOM SEG), ``<case>_rtstruct.dcm`` (RTSTRUCT, for treatment-planning systems) and
+  ``<case>_sr.dcm`` (a TID 1500 measurement report referencing the SEG). ``<output_dir>/report.csv`` gets one row
+  per case and structure. A case's files are written into a hidden folder and moved into place together: a case that
+  fails while writing leaves nothing half-written, and its outputs from an earlier run stay as they were.
 * :class:`InferenceSummary` completes ``inference_report.json`` (written by :func:`scripts.inputs.find_inputs`)
   case by case -- ``done`` with its files and seconds, or ``failed`` with the stage and the reason -- and prints one
   line at the end.
@@ -22,14 +26,20 @@ from collections.abc import Hashable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import nibabel as nib
 import numpy as np
 from ignite.engine import Engine, Events
 from monai.transforms import MapTransform
 
 from scripts.batches import merged_items
-from scripts.files import save_nifti, write_json
+from scripts.dicom import read_ct_series
+from scripts.figures import png_bytes, render_planes
+from scripts.files import display_name, save_nifti, write_json
 from scripts.geometry import voxel_volume_ml
+from scripts.report import report_rows, tumour_report, write_report, write_report_csv
+from scripts.writers.rtstruct import write_rtstruct
 from scripts.writers.seg import algorithm_identification, write_dicom_seg
+from scripts.writers.sr import write_sr
 
 logger = logging.getLogger(__name__)
 
@@ -52,12 +62,17 @@ class SaveCased(MapTransform):
         algorithm_version: str = "0.1.0",
         enabled: bool = True,
         allow_missing_keys: bool = False,
+        write_rtstruct: bool = False,
+        write_sr: bool = False,
+        write_report: bool = False,
     ) -> None:
         super().__init__(keys, allow_missing_keys)
         self.enabled = enabled
         self.output_dir = Path(output_dir)
         self.labels = list(labels)
-        self.write_seg = write_seg
+        self.write_seg, self.write_rtstruct, self.write_sr = write_seg, write_rtstruct, write_sr
+        self.write_report = write_report
+        self.version = str(algorithm_version)
         self.algorithm = algorithm_identification(algorithm_version)
 
     def __call__(self, data: Mapping[Hashable, Any]) -> dict:
@@ -77,22 +92,55 @@ class SaveCased(MapTransform):
         finally:
             shutil.rmtree(staging, ignore_errors=True)
         final = self.output_dir / case_id
-        for key, files in outputs.items():
+        for key, (files, report) in outputs.items():
             d[f"{key}_files"] = {kind: str(final / Path(path).name) for kind, path in files.items()}
+            if report is not None:
+                write_report_csv(self.output_dir / "report.csv", report_rows(case_id, report))
         return d
 
-    def _write(self, d: dict, tensor, case_id: str, folder: Path) -> dict[str, str]:
+    def _write(self, d: dict, tensor, case_id: str, folder: Path) -> tuple[dict[str, str], dict | None]:
         labels = np.asarray(tensor.detach().cpu()).reshape(tensor.shape[-3:]).astype(np.uint8)
         affine = np.asarray(tensor.meta.get("original_affine", tensor.affine), dtype=float)
         files = {"nifti": str(save_nifti(folder / f"{case_id}_seg.nii.gz", labels, affine))}
-        if self.write_seg and d.get("source") == "dicom":
-            seg_path = folder / f"{case_id}_seg.dcm"
-            write_dicom_seg(labels, d["source_path"], self.labels, seg_path, self.algorithm)
-            files["dicom_seg"] = str(seg_path)
+        dicom = d.get("source") == "dicom"
+        report = self._report(d, labels, affine, case_id, folder, files) if self.write_report else None
+        if dicom and self.write_seg:
+            files["dicom_seg"] = str(folder / f"{case_id}_seg.dcm")
+            write_dicom_seg(labels, d["source_path"], self.labels, files["dicom_seg"], self.algorithm)
+        if dicom and self.write_rtstruct:
+            files["rtstruct"] = str(folder / f"{case_id}_rtstruct.dcm")
+            write_rtstruct(labels, d["source_path"], self.labels, files["rtstruct"], self.version)
+        if dicom and self.write_sr and report is not None:
+            files["sr"] = str(folder / f"{case_id}_sr.dcm")
+            write_sr(report, d["source_path"], files.get("dicom_seg"), files["sr"], self.version)
         voxel_ml = voxel_volume_ml(affine)
         volumes = {n: round(float((labels == i).sum()) * voxel_ml, 3) for i, n in enumerate(self.labels, start=1)}
         logger.info("%s: %s, volumes (ml) %s", case_id, ", ".join(Path(f).name for f in files.values()), volumes)
-        return files
+        return files, report
+
+    def _report(self, d: dict, labels: np.ndarray, affine: np.ndarray, case_id: str, folder: Path, files: dict) -> dict:
+        """The tumour report of the prediction, with HU from the case's CT read again (its original grid), as JSON
+        and as a three-plane picture."""
+        hu = original_hu(d["source_path"], d.get("source", "dicom"), labels.shape)
+        report = tumour_report(labels, hu, affine, self.labels)
+        files["report"] = str(write_report(report, case_id, folder, input=display_name(str(d["source_path"])),
+                                           model_version=self.version))  # fmt: skip
+        picture = render_planes(hu, labels, affine, title=f"{case_id}: {', '.join(self.labels)}")
+        files["picture"] = str(folder / f"{case_id}_report.png")
+        Path(files["picture"]).write_bytes(png_bytes(picture))
+        return report
+
+
+def original_hu(path: str | Path, source: str, shape: tuple[int, ...]) -> np.ndarray | None:
+    """The case's CT in HU on its own grid (DICOM series or NIfTI), for the report; None if it cannot be read again
+    or does not match the prediction's grid (the report then has no HU statistics)."""
+    try:
+        hu = read_ct_series(path).hu if source == "dicom" else np.asarray(nib.load(str(path)).dataobj)
+    except Exception as err:  # the prediction is written without HU statistics rather than not at all
+        logger.warning("%s: CT not read again for the report (%s)", path, err)
+        return None
+    hu = hu.reshape(hu.shape[:3]) if hu.ndim == 4 and hu.shape[3] == 1 else hu
+    return hu if hu.shape == tuple(shape) else None
 
 
 def _move_into_place(staging: Path, final: Path) -> None:

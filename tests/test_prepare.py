@@ -344,3 +344,25 @@ def test_a_rerun_notices_changed_content_whatever_the_modification_times(realwor
     assert records["STALE-SEG"]["status"] == "prepared"
     assert np.asarray(nib.load(out / "labels" / "STALE-SEG.nii.gz").dataobj).sum() > old_label.sum()
     assert records["GOOD"]["status"] == "up_to_date"
+
+
+def test_cases_prepared_from_their_rtstructs_get_the_labels_of_their_segs(tmp_path):
+    truths = [write_case(tmp_path / "data", f"LUNG1-{i:03d}", seed=40 + i, shape=(64, 64, 16), rtstruct=True)
+              for i in range(1, 4)]  # fmt: skip
+    from_seg = prepare(tmp_path / "data", tmp_path / "seg", num_workers=1, progress=False, label_source="seg")
+    from_rt = prepare(tmp_path / "data", tmp_path / "rt", num_workers=1, progress=False, label_source="rtstruct")
+    assert from_seg["num_prepared"] == from_rt["num_prepared"] == len(truths)
+    assert {r["annotation"].split("/")[0] for r in from_rt["cases"]} == {"rtstruct"}
+    for truth in truths:
+        name = f"{truth['patient_id']}.nii.gz"
+        seg = np.asarray(nib.load(tmp_path / "seg" / "labels" / name).dataobj) == 1
+        rt = np.asarray(nib.load(tmp_path / "rt" / "labels" / name).dataobj) == 1
+        dice = 2 * (seg & rt).sum() / (seg.sum() + rt.sum())
+        assert dice >= 0.97, f"{truth['patient_id']}: Dice {dice:.4f} between the RTSTRUCT's and the SEG's labels"
+
+
+def test_auto_takes_the_seg_and_falls_back_to_the_rtstruct(tmp_path):
+    truth = write_case(tmp_path / "data", "LUNG1-001", seed=7, shape=(64, 64, 16), rtstruct=True)
+    shutil.rmtree(Path(truth["seg_file"]).parent)
+    report = prepare(tmp_path / "data", tmp_path / "out", num_workers=1, progress=False)
+    assert report["num_prepared"] == 1 and report["cases"][0]["annotation"].startswith("rtstruct/")

@@ -6,6 +6,7 @@ reference the source CT and find the tumour; NIfTI input gives the same answer; 
 
 from __future__ import annotations
 
+import csv
 import json
 import shutil
 from pathlib import Path
@@ -17,7 +18,7 @@ import pytest
 import torch
 from conftest import ROOT, bundle_run, configs
 
-from scripts.dicom import read_ct_series, read_seg_labels
+from scripts.dicom import read_ct_series, read_rtstruct_labels, read_seg_labels
 from scripts.synthetic import generate
 
 # inference with the demo's weights: the demo's settings come from demo.yaml, layered as in training
@@ -173,3 +174,24 @@ def test_diagonal_neighbours_are_one_component():
     labels = np.zeros((6, 6, 6), np.uint8)
     labels[1, 1, 1] = labels[2, 2, 2] = 1  # touch at a corner: 26-connected
     assert (keep_largest(labels, 1, ["GTV-1"]) == labels).all()
+
+
+def test_dicom_cases_also_get_an_rtstruct_an_sr_and_a_report(inferred):
+    truths, _, out, _, _ = inferred
+    rows = list(csv.DictReader((out / "report.csv").open()))
+    assert sorted(r["case"] for r in rows) == sorted([t["patient_id"] for t in truths] + ["first_case"])
+    for truth in truths:
+        case = truth["patient_id"]
+        folder = out / case
+        prediction = np.asarray(nib.load(folder / f"{case}_seg.nii.gz").dataobj) == 1
+        ct = read_ct_series(truth["image_dir"])
+        contoured, _ = read_rtstruct_labels(folder / f"{case}_rtstruct.dcm", ct, ["GTV-1"])
+        assert dice(contoured == 1, prediction) >= 0.95, "the RTSTRUCT's contours are the prediction's outline"
+        report = json.loads((folder / f"{case}_report.json").read_text())["structures"]["GTV-1"]
+        voxel_ml = abs(np.linalg.det(ct.affine_lps[:3, :3])) / 1000
+        assert report["volume_ml"] == pytest.approx(prediction.sum() * voxel_ml, rel=1e-3)
+        assert report["long_axis_mm"] >= report["short_axis_mm"] > 0 and report["side"] == truth["tumour"]["side"]
+        sr = hd.sr.srread(folder / f"{case}_sr.dcm")
+        seg_uid = hd.seg.segread(folder / f"{case}_seg.dcm").SOPInstanceUID
+        assert seg_uid in str(sr), "the SR references the SEG it measures"
+        assert (folder / f"{case}_report.png").read_bytes()[:4] == b"\x89PNG"
