@@ -78,9 +78,8 @@ def main(
 
 
 def _write_cases(dicom_dir: Path, cases: int, shape: Sequence[int]) -> None:
-    from tqdm import tqdm
-
     from scripts.synthetic import write_case
+    from tqdm import tqdm
 
     for i in tqdm(range(cases), desc="synthetic cases", unit="case"):
         pid = f"LUNG1-{i + 1:03d}"

@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
 from scripts.config import ConfigError, as_bool
 from scripts.files import write_json
 

@@ -19,7 +19,6 @@ from typing import Any
 import numpy as np
 import torch
 from ignite.engine import Engine, Events
-
 from scripts.distributed import is_rank0, world_size
 from scripts.files import write_json
 

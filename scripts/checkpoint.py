@@ -19,7 +19,6 @@ from typing import Any
 
 import torch
 from ignite.engine import Engine, Events
-
 from scripts import rng
 from scripts.config import as_bool
 from scripts.distributed import is_rank0

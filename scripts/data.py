@@ -23,7 +23,6 @@ import torch
 from monai.data import CacheDataset, DataLoader, Dataset, MetaTensor, PersistentDataset, ThreadDataLoader
 from monai.engines import default_prepare_batch
 from monai.transforms import MapTransform
-
 from scripts.config import ConfigError, as_bool
 
 CACHE_MODES = ("none", "memory", "disk", "gpu")

@@ -17,7 +17,6 @@ from pathlib import Path
 import numpy as np
 import torch
 from ignite.engine import Engine, Events
-
 from scripts.batches import case_id_of, label_map, merged_items
 from scripts.distributed import is_rank0, world_size
 from scripts.figures import png_bytes, render_case

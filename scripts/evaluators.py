@@ -18,7 +18,6 @@ from ignite.engine import Engine
 from ignite.metrics import Metric
 from monai.engines import SupervisedEvaluator
 from monai.engines.utils import IterationEvents
-
 from scripts.inputs import failure_record
 from scripts.outputs import CaseOutputError
 

@@ -16,7 +16,6 @@ import nibabel as nib
 import numpy as np
 from ignite.engine import Engine, Events
 from scipy import ndimage
-
 from scripts.batches import merged_items
 from scripts.distributed import is_rank0
 

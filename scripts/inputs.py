@@ -23,7 +23,6 @@ import torch
 from monai.data import Dataset, MetaTensor
 from monai.transforms import MapTransform, apply_transform
 from pydicom.errors import InvalidDicomError
-
 from scripts.dicom import DicomCaseError, read_ct_series, scan_ct_series
 from scripts.dicom.ct import CT_IMAGE_STORAGE, ENHANCED_CT_STORAGE
 from scripts.files import check_case_name, display_name, write_json

@@ -24,7 +24,6 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 from monai.metrics import compute_hausdorff_distance, compute_surface_dice
-
 from scripts.geometry import voxel_volume_ml
 
 METRICS = ("dice", "hd95_mm", "surface_dice", "truth_ml", "pred_ml")

@@ -30,7 +30,6 @@ import nibabel as nib
 import numpy as np
 from ignite.engine import Engine, Events
 from monai.transforms import MapTransform
-
 from scripts.batches import merged_items
 from scripts.dicom import read_ct_series
 from scripts.figures import png_bytes, render_planes

@@ -40,13 +40,12 @@ from pathlib import Path
 
 import nibabel as nib
 import numpy as np
-from tqdm import tqdm
-
 from scripts.config import as_bool
 from scripts.dicom import LABEL_SOURCES, DicomCaseError, find_annotation, read_case
 from scripts.files import check_case_name, display_name, fingerprint, save_nifti, write_json
 from scripts.geometry import voxel_volume_ml
 from scripts.labels import COLLECTION, check_labels
+from tqdm import tqdm
 
 logger = logging.getLogger(__name__)
 
@@ -299,8 +298,8 @@ def split_cases(records: Sequence[dict], val_fraction: float, test_fraction: flo
     if n >= 2 and val_fraction > 0:
         n_val = max(n_val, 1)
     n_test = min(n_test, max(n - n_val - 1, 0))
-    role = {p: "test" for p in patients[:n_test]}
-    role.update({p: "validation" for p in patients[n_test : n_test + n_val]})
+    role = dict.fromkeys(patients[:n_test], "test")
+    role.update(dict.fromkeys(patients[n_test : n_test + n_val], "validation"))
     train_patients = patients[n_test + n_val :]
     fold = {p: i % max(num_folds, 1) for i, p in enumerate(train_patients)}
 
@@ -343,7 +342,6 @@ def _print_report(report: dict) -> None:
 
 if __name__ == "__main__":
     import fire
-
     from scripts.cli import command
 
     fire.Fire(command(prepare, _print_report, errors=(PrepareError, ValueError), name="prepare"))

@@ -36,10 +36,9 @@ import numpy as np
 from scipy import ndimage
 from scipy.spatial import ConvexHull, QhullError
 from scipy.spatial.distance import pdist
-from skimage.measure import find_contours
-
 from scripts.files import write_json, write_text
 from scripts.geometry import voxel_volume_ml
+from skimage.measure import find_contours
 
 logger = logging.getLogger(__name__)
 
@@ -100,8 +99,8 @@ def _structure(mask: np.ndarray, hu: np.ndarray | None, affine: np.ndarray, axia
 
 def _absent() -> dict:
     """The measurements of a structure that is not in the label map: zero size, no position, no density."""
-    report = {key: 0.0 for key in ("volume_ml", "largest_component_ml", "long_axis_mm", "short_axis_mm",
-                                   "max_3d_diameter_mm")}  # fmt: skip
+    sizes = ("volume_ml", "largest_component_ml", "long_axis_mm", "short_axis_mm", "max_3d_diameter_mm")
+    report = dict.fromkeys(sizes, 0.0)
     report.update(present=False, voxels=0, components=0)
     for key in ("axes_slice", "long_axis_ends_lps", "short_axis_ends_lps", "centroid_lps", "side", "slice_first",
                 "slice_last", "z_first_mm", "z_last_mm", "hu_mean", "hu_std"):  # fmt: skip

@@ -440,7 +440,7 @@ def _skim_kineto(sc: _Scanner, state: _ReadState) -> Iterator[Any]:
         yield event
         if char == "]":
             sc.pos += 1
-            return None
+            return
         pos, after_value = sc.pos, True
 
 

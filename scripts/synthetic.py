@@ -22,10 +22,9 @@ import highdicom as hd
 import numpy as np
 from pydicom.dataset import Dataset, FileMetaDataset
 from pydicom.uid import CTImageStorage, ExplicitVRLittleEndian, RTStructureSetStorage, generate_uid
-from tqdm import tqdm
-
 from scripts.dicom import segment_description
 from scripts.labels import COLLECTION
+from tqdm import tqdm
 
 logger = logging.getLogger(__name__)
 

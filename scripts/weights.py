@@ -21,7 +21,6 @@ from typing import Any
 
 import torch
 from ignite.engine import Engine, Events
-
 from scripts.config import as_bool
 from scripts.distributed import is_rank0
 from scripts.files import replace_atomically, write_json

@@ -258,10 +258,10 @@ class FakeNbia:
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
+            def do_GET(self) -> None:  # noqa: N802, RUF100 (http.server's name; flake8's pep8-naming flags it)
                 fake.handle(self)
 
-            def do_HEAD(self) -> None:
+            def do_HEAD(self) -> None:  # noqa: N802, RUF100 (http.server's name; flake8's pep8-naming flags it)
                 fake.head(self)
 
             def log_message(self, *args) -> None:

@@ -10,7 +10,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
 from scripts import accelerator
 from scripts.accelerator import backend, configure
 from scripts.config import ConfigError

@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 import torch
 from monai.data import MetaTensor
-
 from scripts.batches import case_id_of, label_map, merged_items
 
 
@@ -34,9 +33,7 @@ def test_single_batch_and_output_give_one_item():
 
 
 @pytest.mark.parametrize(
-    "batch",
-    [[{"case_id": "A"}], {"case_id": ["A", "B"]}],
-    ids=["fewer-batch-items", "collated-batch-dict"],
+    "batch", [[{"case_id": "A"}], {"case_id": ["A", "B"]}], ids=["fewer-batch-items", "collated-batch-dict"]
 )
 def test_batch_that_does_not_line_up_falls_back_to_the_outputs(batch):
     output = [{"pred": 1}, {"pred": 2}]

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 from ignite.engine import Engine
-
 from scripts import benchmark
 from scripts.benchmark import StepTimer, tflop_per_patch
 

@@ -14,7 +14,6 @@ import pytest
 import torch
 from ignite.engine import Engine, Events
 from monai.transforms import Compose, RandGaussianNoise
-
 from scripts import checkpoint as checkpoint_module
 from scripts.checkpoint import TrainingCheckpoint
 

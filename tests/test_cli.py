@@ -10,7 +10,6 @@ import subprocess
 import sys
 
 import pytest
-
 from scripts.cli import command
 from scripts.prepare import prepare
 from scripts.tcia import download

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from scripts.config import ConfigError, as_bool, check_config, check_roi_size
 
 GOOD = {"labels": ["GTV-1"], "roi_size": [96, 96, 96], "spacing": [1.0, 1.0, 3.0], "hu_window": [-1000, 500]}

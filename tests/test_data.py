@@ -12,7 +12,6 @@ import torch
 from monai.bundle import ConfigParser
 from monai.data import CacheDataset, DataLoader, Dataset, PersistentDataset, ThreadDataLoader
 from monai.transforms import Compose, RandCropByPosNegLabeld
-
 from scripts.config import ConfigError
 from scripts.data import CompactForCropd, make_dataset, make_loader
 from scripts.prepare import prepare

@@ -7,7 +7,6 @@ from __future__ import annotations
 import highdicom as hd
 import pytest
 from pydicom.sr.codedict import codes
-
 from scripts.dicom.codes import segment_description
 
 

@@ -10,7 +10,6 @@ import numpy as np
 import pydicom
 import pytest
 from dicom_factory import TUMOUR_HU, Series, ct_slice, transcode, tumour_centre_of, write_series
-
 from scripts.dicom import DicomCaseError, read_case, read_ct_series, to_hu
 from scripts.synthetic import write_case
 

@@ -16,7 +16,6 @@ import pydicom
 import pytest
 from pydicom.dataset import Dataset, FileMetaDataset
 from pydicom.uid import ExplicitVRLittleEndian, RTStructureSetStorage, generate_uid
-
 from scripts.dicom import (
     RTSTRUCT_STORAGE,
     DicomCaseError,
@@ -43,7 +42,7 @@ def shapes(z_mid: float) -> dict[str, list[dict]]:
             {"centre": (14.0, -14.0, z_mid - 4.0), "radii": (4.0, 6.0, 7.0)},
         ],
         "Lung-Left": [  # contains GTV-1, partly outside the field of view
-            {"centre": (-10.0, -5.0, z_mid), "radii": (25.0, 22.0, 20.0)},
+            {"centre": (-10.0, -5.0, z_mid), "radii": (25.0, 22.0, 20.0)}
         ],
     }
 

@@ -14,7 +14,6 @@ import pydicom
 import pytest
 from dicom_factory import Series
 from dicom_factory import write_case as write_factory_case
-
 from scripts.dicom import DicomCaseError, find_seg_file, read_case
 from scripts.synthetic import tumour_contains, write_case
 

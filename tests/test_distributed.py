@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
 from scripts import distributed
 
 

@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 import torch
 from monai.data import MetaTensor
-
 from scripts.evaluation import CaseMetrics
 
 R_MM, OFFSET_MM = 15.0, 8.0

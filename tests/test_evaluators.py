@@ -12,7 +12,6 @@ from monai.data import DataLoader, MetaTensor
 from monai.handlers import MeanDice, from_engine
 from monai.inferers import SimpleInferer
 from monai.transforms import AsDiscreted, Compose
-
 from scripts.evaluators import CaseByCaseEvaluator
 from scripts.inputs import CaseDataset, write_report
 from scripts.outputs import InferenceSummary, SaveCased, exit_on_failures

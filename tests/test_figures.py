@@ -14,10 +14,9 @@ import torch
 from ignite.engine import Engine
 from monai.data import MetaTensor
 from PIL import Image
-from tensorboard.backend.event_processing.event_accumulator import IMAGES, EventAccumulator
-
 from scripts import figures
 from scripts.figures import BOTH_RGB, PRED_RGB, TRUTH_RGB, ValidationPicture, png_bytes, render_case, to_lps
+from tensorboard.backend.event_processing.event_accumulator import IMAGES, EventAccumulator
 
 # RAS affine of a volume whose voxel axes point L, P, S: x and y run against RAS, anisotropic spacing, an origin
 AFFINE_LPS = np.array([[-0.7, 0, 0, 150.0], [0, -0.9, 0, 120.0], [0, 0, 2.5, -300.0], [0, 0, 0, 1]])

@@ -11,7 +11,6 @@ from pathlib import Path
 import nibabel as nib
 import numpy as np
 import pytest
-
 from scripts.files import replace_atomically, save_nifti, write_json, write_text
 
 

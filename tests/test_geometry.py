@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from scripts.geometry import spacing_of, voxel_volume_ml
 
 

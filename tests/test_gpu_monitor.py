@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 from ignite.engine import Engine
-
 from scripts import gpu_monitor
 from scripts.gpu_monitor import GpuMonitor, detect
 

@@ -6,7 +6,6 @@ import logging
 
 import pytest
 import torch
-
 from scripts.inferers import OUT_OF_MEMORY, FallbackSlidingWindowInferer
 
 

@@ -7,7 +7,6 @@ import shutil
 
 import numpy as np
 import pytest
-
 from scripts.inputs import InferenceInputError, find_inputs
 
 

@@ -4,7 +4,6 @@ refused before any data is touched."""
 from __future__ import annotations
 
 import pytest
-
 from scripts.config import ConfigError, check_config
 from scripts.labels import check_labels, matching, normalize_name
 

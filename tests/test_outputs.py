@@ -17,7 +17,6 @@ import pytest
 import torch
 from ignite.engine import Engine
 from monai.data import MetaTensor
-
 from scripts.outputs import InferenceSummary, SaveCased
 from scripts.synthetic import write_case
 

@@ -13,10 +13,9 @@ import nibabel as nib
 import numpy as np
 import pydicom
 import pytest
+import scripts.prepare
 from dicom_factory import Series, transcode, tumour_centre_of
 from dicom_factory import write_case as write_factory_case
-
-import scripts.prepare
 from scripts.prepare import PrepareError, find_cases, prepare, split_cases
 from scripts.synthetic import tumour_contains, write_case
 
@@ -290,7 +289,7 @@ def test_long_names_work_and_names_too_long_for_the_outputs_are_refused(realworl
     records = records_of(report)
     assert records["L" * 200]["status"] == "prepared" and (out / "labels" / f"{'L' * 200}.nii.gz").is_file()
     assert records["X" * 245]["status"] == "rejected" and "255-byte limit" in records["X" * 245]["reason"]
-    assert not [p for p in out.rglob(".tmp-*")], "no temporary file left"
+    assert not list(out.rglob(".tmp-*")), "no temporary file left"
 
 
 def test_a_tilted_series_is_refused_and_a_barely_tilted_one_is_placed_in_millimetres(realworld):

@@ -13,7 +13,6 @@ import json
 
 import numpy as np
 import pytest
-
 from scripts.figures import render_planes
 from scripts.report import CSV_COLUMNS, report_rows, tumour_report, write_report, write_report_csv
 

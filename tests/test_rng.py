@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 import torch
 from monai.transforms import Compose, RandCropByPosNegLabeld, RandFlipd, RandGaussianNoised, RandScaleIntensityd
-
 from scripts.rng import capture, random_generators, restore
 
 

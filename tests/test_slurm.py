@@ -216,9 +216,8 @@ class LocalCluster:
             if done(state):
                 return state
             ended = state["JobState"] in ("FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
-            assert not ended and time.monotonic() < deadline, (
-                f"job {job_id} never reached {what}: {self.transitions(job_id)}\n" + tail(log)
-            )
+            message = f"job {job_id} never reached {what}: {self.transitions(job_id)}\n" + tail(log)
+            assert not ended and time.monotonic() < deadline, message
             time.sleep(0.3)
 
     def transitions(self, job_id: str) -> str:
@@ -321,9 +320,8 @@ def test_single_node_job_requeued_mid_epoch_resumes_and_completes(cluster, datas
     assert second, f"the log holds no second run of job {job}:\n{text[-3000:]}"
     assert f"requeueing job {job}" in first, "the USR1 trap requeued the job"
     assert "Epoch[2] Complete" not in first, "the first run was stopped during epoch 2, not after it"
-    assert "resumed from" in second and "epoch 1" in second.split("resumed from", 1)[1].splitlines()[0], (
-        "the second run continued from the epoch-1 checkpoint"
-    )
+    resumed = "resumed from" in second and "epoch 1" in second.split("resumed from", 1)[1].splitlines()[0]
+    assert resumed, "the second run continued from the epoch-1 checkpoint"
     assert "Epoch[2] Complete" in second
     assert f"job {job} was requeued 1 times (MAX_REQUEUES): not again" in second, "the second USR1 was ignored"
     for rank in (0, 1):

@@ -13,7 +13,6 @@ import zipfile
 from pathlib import Path
 
 import pytest
-
 from scripts import summarize_trace as st
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,10 +38,7 @@ EXPECTED_CPU = {
     "loader_next": (3, 100e-6, 250e-6, 250e-6, 400e-6),
     "optimizer": (4, 50e-6, 70e-6, 70e-6, 90e-6),
 }
-EXPECTED_KERNELS = {
-    "forward": (4, 100e-6, 400e-6, 250e-6, 1000e-6),
-    "backward": (4, 400e-6, 600e-6, 550e-6, 900e-6),
-}
+EXPECTED_KERNELS = {"forward": (4, 100e-6, 400e-6, 250e-6, 1000e-6), "backward": (4, 400e-6, 600e-6, 550e-6, 900e-6)}
 EXPECTED_CPU_FALLBACK = {
     "forward": (4, 900e-6, 1050e-6, 1050e-6, 1200e-6),
     "backward": (4, 1300e-6, 1500e-6, 1450e-6, 1800e-6),
@@ -299,9 +295,7 @@ def test_text_that_only_looks_like_kinetos_layout_is_read_in_full(tmp_path, monk
     # nested object as if it were an event, so it must notice and start again with the full parser
     trace = make_trace()
     text = kineto_text(trace).replace(
-        '    "name": "aten::mm"',
-        '    "odd":\n  {\n    "x": "kernel"\n  },\n    "name": "aten::mm"',
-        1,
+        '    "name": "aten::mm"', '    "odd":\n  {\n    "x": "kernel"\n  },\n    "name": "aten::mm"', 1
     )
     path = tmp_path / "trace.json"
     path.write_text(text)

@@ -11,7 +11,6 @@ from pathlib import Path
 import numpy as np
 import pydicom
 import pytest
-
 from scripts.dicom import read_ct_series, read_rtstruct_labels, read_seg_labels
 from scripts.synthetic import tumour_contains, write_case
 

@@ -5,12 +5,7 @@ from __future__ import annotations
 import zipfile
 
 import pytest
-
-from scripts.tcia import (
-    UnsafeArchiveError,
-    extract_series_zip,
-    parse_md5_manifest,
-)
+from scripts.tcia import UnsafeArchiveError, extract_series_zip, parse_md5_manifest
 
 
 def test_md5_manifest_parsing_tolerates_header_and_column_variants():

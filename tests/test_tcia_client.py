@@ -6,12 +6,7 @@ import socket
 
 import pytest
 from fake_nbia import COLLECTION, FAST
-
-from scripts.tcia import (
-    TciaError,
-    download,
-    resolve_base_url,
-)
+from scripts.tcia import TciaError, download, resolve_base_url
 
 
 def test_unreachable_server_fails_the_listing_after_retries(tmp_path):

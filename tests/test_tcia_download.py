@@ -22,12 +22,7 @@ from fake_nbia import (
     make_case,
     zip_name,
 )
-
-from scripts.tcia import (
-    MARKER,
-    STAGING,
-    download,
-)
+from scripts.tcia import MARKER, STAGING, download
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 from pydicom.dataset import Dataset, FileMetaDataset
 from pydicom.uid import CTImageStorage, ExplicitVRLittleEndian, SegmentationStorage, generate_uid
-
 from scripts.tcia import markers
 from scripts.tcia.errors import TciaError
 from scripts.tcia.markers import (
@@ -68,7 +67,8 @@ def entry(patient: str = "LUNG1-001", number: str = "1234", uid: str = SEG_UID) 
 
 def test_index_lists_marked_cases_whose_files_are_all_there(tmp_path):
     a, b = make_case(tmp_path, "LUNG1-001", "1234"), make_case(tmp_path, "LUNG1-002", "77", OTHER_SEG_UID)
-    mark(a), mark(b, OTHER_SEG_UID)
+    mark(a)
+    mark(b, OTHER_SEG_UID)
     index = index_markers(tmp_path)
     assert set(index) == {SEG_UID, OTHER_SEG_UID}
     assert index[SEG_UID]["case_dir"] == str(a) and index[SEG_UID]["md5_verified"] is True
@@ -76,7 +76,8 @@ def test_index_lists_marked_cases_whose_files_are_all_there(tmp_path):
 
 def test_case_whose_file_counts_changed_is_left_out_with_a_warning(tmp_path, caplog):
     missing, added = make_case(tmp_path, "LUNG1-001", "1"), make_case(tmp_path, "LUNG1-002", "2", OTHER_SEG_UID)
-    mark(missing), mark(added, OTHER_SEG_UID)
+    mark(missing)
+    mark(added, OTHER_SEG_UID)
     (missing / "image" / "1-02.dcm").unlink()
     write_dcm(added / "seg" / "1-2.dcm", OTHER_SEG_UID, SegmentationStorage)
     with caplog.at_level(logging.WARNING, logger="scripts.tcia.markers"):

@@ -4,11 +4,7 @@ from __future__ import annotations
 
 import pytest
 from pydicom.dataset import Dataset
-
-from scripts.tcia import (
-    TciaError,
-    case_key,
-)
+from scripts.tcia import TciaError, case_key
 
 
 def test_case_key_uses_tciadataset_fallbacks_and_refuses_path_like_ids():

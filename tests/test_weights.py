@@ -8,7 +8,6 @@ import json
 import pytest
 import torch
 from monai.networks.nets import SwinUNETR
-
 from scripts.weights import load_pretrained_encoder, load_weights
 
 

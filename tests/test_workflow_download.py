@@ -10,11 +10,7 @@ import nibabel as nib
 import numpy as np
 import pytest
 from fake_nbia import COLLECTION, FAST, FakeNbia, case_dir, served_case
-
-from scripts.tcia import (
-    TciaError,
-    download,
-)
+from scripts.tcia import TciaError, download
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 import torch
 from conftest import ROOT, bundle_run, configs
-
 from scripts.dicom import read_ct_series, read_rtstruct_labels, read_seg_labels
 from scripts.synthetic import generate
 

@@ -14,7 +14,6 @@ import pytest
 import torch
 from conftest import DEMO, ROOT, bundle_run, demo_args, train_workflow
 from monai.bundle import ConfigWorkflow
-
 from scripts.config import ConfigError
 
 

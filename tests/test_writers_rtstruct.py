@@ -12,7 +12,6 @@ import numpy as np
 import pydicom
 import pytest
 from scipy import ndimage
-
 from scripts.dicom import read_ct_series, read_rtstruct_labels, read_seg_labels
 from scripts.synthetic import write_case
 from scripts.writers.rtstruct import write_rtstruct

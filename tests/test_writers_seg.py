@@ -13,7 +13,6 @@ import highdicom as hd
 import numpy as np
 import pydicom
 import pytest
-
 from scripts.synthetic import tumour_contains, write_case
 from scripts.writers.seg import ALGORITHM_NAME, algorithm_identification, write_dicom_seg
 
@@ -45,8 +44,8 @@ def voxel_centres_lps(slices: list[pydicom.Dataset]) -> np.ndarray:
 def case(request, tmp_path_factory):
     """A synthetic CT, its headers, and a label map on its grid: 1 = the analytic tumour, 2 = an off-centre block."""
     tmp = tmp_path_factory.mktemp("seg")
-    options = {} if request.param == "plain" else {"flip_in_plane": True, "reverse_instance_numbers": True,
-                                                    "shuffle_file_names": True}  # fmt: skip
+    flipped = {"flip_in_plane": True, "reverse_instance_numbers": True, "shuffle_file_names": True}
+    options = {} if request.param == "plain" else flipped
     truth = write_case(tmp, "P1", seed=3, shape=SHAPE, segments=["GTV-1"], **options)
     slices = ct_slices(truth["image_dir"])
     centres = voxel_centres_lps(slices)

@@ -9,7 +9,6 @@ import highdicom as hd
 import pydicom
 import pytest
 from pydicom.sr.codedict import codes
-
 from scripts.dicom import read_ct_series, read_seg_labels
 from scripts.report import tumour_report
 from scripts.synthetic import write_case

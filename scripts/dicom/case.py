@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-
 from scripts.dicom.common import RTSTRUCT_STORAGE, SEG_STORAGE, DicomCaseError, sop_class_of
 from scripts.dicom.ct import read_ct_series
 from scripts.dicom.rtstruct import read_rtstruct_labels

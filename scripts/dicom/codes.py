@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import highdicom as hd
 from pydicom.sr.codedict import codes
-
 from scripts.labels import normalize_name
 
 

@@ -33,7 +33,6 @@ import pydicom
 from pydicom.errors import InvalidDicomError
 from pydicom.pixels.decoders.base import get_decoder
 from pydicom.uid import UID
-
 from scripts.dicom.common import LPS_TO_RAS, DicomCaseError
 
 logger = logging.getLogger(__name__)

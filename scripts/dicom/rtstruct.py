@@ -26,12 +26,11 @@ from pathlib import Path
 
 import numpy as np
 import pydicom
-from skimage.draw import polygon
-from skimage.measure import points_in_poly
-
 from scripts.dicom.common import RTSTRUCT_STORAGE, DicomCaseError, find_single
 from scripts.dicom.ct import SLICE_TOLERANCE, CtSeries
 from scripts.labels import matching
+from skimage.draw import polygon
+from skimage.measure import points_in_poly
 
 logger = logging.getLogger(__name__)
 

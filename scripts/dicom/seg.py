@@ -18,7 +18,6 @@ from pathlib import Path
 
 import numpy as np
 import pydicom
-
 from scripts.dicom.common import SEG_STORAGE, DicomCaseError, find_single
 from scripts.dicom.ct import SLICE_TOLERANCE, CtSeries
 from scripts.labels import matching

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import fire
-
 from scripts.cli import command
 from scripts.tcia import DownloadSummary, TciaError, download
 

@@ -18,8 +18,6 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from tqdm import tqdm
-
 from scripts.files import write_json
 from scripts.labels import COLLECTION
 from scripts.tcia.client import NbiaClient, file_safe, list_series, resolve_base_url
@@ -35,6 +33,7 @@ from scripts.tcia.markers import (
     remove_stale_temps,
 )
 from scripts.tcia.references import case_key, find_referenced_series_uid, find_referenced_sop_uids, read_annotation
+from tqdm import tqdm
 
 logger = logging.getLogger(__name__)
 
@@ -277,10 +276,7 @@ class _CaseJob:
 
 
 def download_for_training(
-    dataset_dir: str | Path,
-    collection: str = COLLECTION,
-    limit: int | None = None,
-    base_url: str | None = None,
+    dataset_dir: str | Path, collection: str = COLLECTION, limit: int | None = None, base_url: str | None = None
 ) -> DownloadSummary:
     """``download`` as ``train.yaml``'s ``download: true`` runs it: the summary is logged, and any failed series
     stops the run (training on a silently incomplete collection would change the split); re-running resumes."""

@@ -21,7 +21,6 @@ from pathlib import Path
 
 import pydicom
 from pydicom.errors import InvalidDicomError
-
 from scripts.files import write_json
 from scripts.tcia.errors import TciaError
 
@@ -172,7 +171,7 @@ def _pid_alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except (PermissionError, OSError):
+    except OSError:  # e.g. PermissionError: the process exists but is not ours
         return True
     return True
 

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pydicom
 from pydicom.errors import InvalidDicomError
-
 from scripts.tcia.errors import TciaError
 
 

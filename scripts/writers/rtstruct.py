@@ -30,12 +30,11 @@ import pydicom
 from pydicom.dataset import Dataset, FileMetaDataset
 from pydicom.sr.codedict import codes
 from pydicom.uid import ExplicitVRLittleEndian
-from skimage.measure import find_contours
-
 from scripts.dicom import RTSTRUCT_STORAGE, scan_ct_series, segment_description
 from scripts.files import replace_atomically
 from scripts.labels import normalize_name
 from scripts.writers.seg import ALGORITHM_NAME, MANUFACTURER, algorithm_identification
+from skimage.measure import find_contours
 
 logger = logging.getLogger(__name__)
 

@@ -9,7 +9,6 @@ from pathlib import Path
 import highdicom as hd
 import numpy as np
 from pydicom.sr.codedict import codes
-
 from scripts.dicom import scan_ct_series, segment_description
 from scripts.files import replace_atomically
 

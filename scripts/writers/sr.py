@@ -24,7 +24,6 @@ import highdicom as hd
 import numpy as np
 import pydicom
 from pydicom.sr.codedict import codes
-
 from scripts.dicom import SEG_STORAGE, scan_ct_series, segment_description
 from scripts.files import replace_atomically
 from scripts.labels import normalize_name
