@@ -415,7 +415,7 @@ def _skim_kineto(sc: _Scanner, state: _ReadState) -> Iterator[Any]:
                 pos, after_value = keep, False
             sc.pos = pos
             if len(buf) - pos > _MAX_PENDING_CHARS or not sc.fill():
-                return after_value
+                return after_value  # noqa: B901, RUF100 (the generator's result: where the events stopped)
             pos = sc.pos
             continue
         start = buf.rfind(opener, pos, marker.start())
