@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from importlib.metadata import version
 from pathlib import Path
 
@@ -53,14 +54,6 @@ def meta(root) -> dict:
     return json.loads((root / "configs" / "metadata.json").read_text())
 
 
-def test_verify_metadata_passes(root, tmp_path):
-    from monai.bundle import verify_metadata
-
-    schema = tmp_path / "meta_schema.json"
-    schema.write_text(json.dumps(SCHEMA))  # present, so verify_metadata does not download
-    verify_metadata(meta_file=str(root / "configs" / "metadata.json"), filepath=str(schema))
-
-
 def test_schema_is_the_model_zoo_one_and_version_is_in_changelog(meta):
     assert meta["schema"].endswith("meta_schema_20240725.json")
     assert meta["version"] in meta["changelog"]
@@ -96,3 +89,38 @@ def test_docs_and_license_exist(root):
     for path in ("LICENSE", "docs/README.md", "docs/data_license.txt", "large_files.yml", "Dockerfile"):
         assert Path(root / path).is_file(), path
     assert "CC BY-NC 3.0" in (root / "docs" / "data_license.txt").read_text()
+
+
+def test_every_package_the_bundle_imports_is_pinned_in_metadata(meta, root):
+    """What scripts/ imports beyond the standard library, torch, MONAI and numpy is in required_packages_version
+    (the zoo installs a bundle's requirements from there), under its distribution's name. Imports guarded by
+    ``except ImportError`` are optional accelerators and are not required."""
+    import ast
+    from importlib.metadata import packages_distributions
+
+    def names(node: ast.AST) -> set[str]:
+        if isinstance(node, ast.Import):
+            return {a.name.split(".")[0] for a in node.names}
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            return {node.module.split(".")[0]}
+        return set()
+
+    imported, optional = set(), set()
+    for path in (root / "scripts").rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            imported |= names(node)
+            if isinstance(node, ast.Try) and any("ImportError" in ast.unparse(h) for h in node.handlers):
+                optional |= {n for inner in node.body for sub in ast.walk(inner) for n in names(sub)}
+    imported -= optional
+    distributions = packages_distributions()
+    needed = {dist for name in imported - set(sys.stdlib_module_names) - {"scripts", "torch", "monai", "numpy"}
+              for dist in distributions.get(name, [name])}  # fmt: skip
+    listed = {k.lower() for k in meta["required_packages_version"]}
+    assert sorted(d for d in needed if d.lower() not in listed) == []
+
+
+def test_framework_versions_are_the_ones_requirements_install(meta, root):
+    pins = dict(re.findall(r"^([A-Za-z0-9_.-]+)==(\S+)", (root / "requirements.txt").read_text(), re.M))
+    assert meta["numpy_version"] == pins["numpy"] == version("numpy")
+    assert meta["pytorch_version"] in version("torch")
