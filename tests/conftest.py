@@ -60,7 +60,7 @@ def demo_args(tmp: Path, shrink: bool = True, config_file: str = DEMO, **overrid
     """The demo config pointed at a temporary folder; ``shrink``: a few small steps (for tests of mechanics)."""
     settings = {"dataset_dir": str(tmp / "data"), "prepared_dir": str(tmp / "prepared"), "output_dir": str(tmp / "run")}
     if shrink:
-        settings.update(demo_cases=4, demo_shape="[96,96,32]", num_samples=1, val_interval=1)
+        settings.update(demo_cases=4, demo_shape="[48,48,24]", num_samples=1, val_interval=1)
     settings.update(overrides)
     args = ["--config_file", config_file]
     for key, value in settings.items():

@@ -59,7 +59,7 @@ def zoo_run(tmp_path_factory, monkeypatch_module) -> Path:
     tmp = tmp_path_factory.mktemp("zoo")
     monkeypatch_module.chdir(tmp)
     common = {"bundle_root": str(ROOT), "dataset_dir": str(tmp / "data"), "prepared_dir": str(tmp / "prepared"),
-              "output_dir": str(tmp / "run"), "demo_cases": 4, "demo_shape": [96, 96, 32], "num_samples": 1,
+              "output_dir": str(tmp / "run"), "demo_cases": 4, "demo_shape": [48, 48, 24], "num_samples": 1,
               "max_epochs": 1, "val_interval": 1, "num_workers": 0}  # fmt: skip
     meta = str(ROOT / "configs" / "metadata.json")
     logging = str(ROOT / "configs" / "logging.conf")
