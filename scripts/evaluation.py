@@ -1,9 +1,10 @@
 """The evaluator handler behind ``configs/evaluate.yaml``: per-case metrics in each case's original voxel space.
 
 :class:`CaseMetrics` collects :func:`scripts.metrics.case_metrics` per case during an evaluation run and writes
-``metrics.csv`` (one row per case) and ``metrics_summary.json`` (mean, median, std, count per column), plus a PNG per
-case or for the worst N cases (:mod:`scripts.figures`). Under DDP each rank evaluates its own cases and rank 0
-gathers and writes them all.
+``metrics.csv`` (one row per case: Dice, HD95, surface Dice, volumes, and the tumour report's RECIST axes, 3D
+diameter and component count of the prediction and of the truth) and ``metrics_summary.json`` (mean, median, std,
+count per column), plus a PNG per case or for the worst N cases (:mod:`scripts.figures`). Under DDP each rank
+evaluates its own cases and rank 0 gathers and writes them all.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from scripts.figures import png_bytes, render_case
 from scripts.files import write_json, write_text
 from scripts.geometry import spacing_of
 from scripts.metrics import case_metrics, summarize
+from scripts.report import tumour_report
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +73,8 @@ class CaseMetrics:
             spacing = spacing_of(item[self.truth_key].affine)
             case_id = case_id_of(item)
             row = {"case_id": case_id, **case_metrics(pred, truth, spacing, self.labels, self.tolerance_mm)}
+            affine = np.asarray(item[self.truth_key].affine, dtype=float)
+            row.update(measurement_columns(pred, truth, affine, self.labels))
             self.rows.append(row)
             logger.info("%s: %s", case_id, ", ".join(f"{k} {v:.4g}" for k, v in row.items() if k.endswith("_dice")))
             if self.pictures:
@@ -117,6 +121,20 @@ class CaseMetrics:
         shown = ", ".join(f"mean {k} {v:.4f}" for k, v in means.items() if v is not None)
         print(f"evaluated {len(self.rows)} cases: {shown}; per case: {self.output_dir / 'metrics.csv'}"
               + (f"; {len(failed)} failed (see metrics_summary.json)" if failed else ""))  # fmt: skip
+
+
+#: the tumour report's numbers that metrics.csv carries for the prediction and the truth (scripts/report.py)
+REPORT_COLUMNS = ("components", "long_axis_mm", "short_axis_mm", "max_3d_diameter_mm")
+
+
+def measurement_columns(pred: np.ndarray, truth: np.ndarray, affine: np.ndarray, labels: list[str]) -> dict:
+    """``<label>_pred_<measure>`` and ``<label>_truth_<measure>`` of :data:`REPORT_COLUMNS`: whether the predicted
+    tumour has the truth's RECIST axes, 3D diameter and number of pieces, beside its Dice."""
+    columns = {}
+    for kind, volume in (("pred", pred), ("truth", truth)):
+        for name, measured in tumour_report(volume, None, affine, labels).items():
+            columns.update({f"{name}_{kind}_{m}": float(measured[m]) for m in REPORT_COLUMNS})
+    return columns
 
 
 def _load_volume(source, shape: tuple[int, ...]) -> np.ndarray | None:

@@ -44,3 +44,27 @@ def test_handler_writes_one_row_per_case_and_a_summary(tmp_path):
     summary = json.loads((tmp_path / "metrics_summary.json").read_text())
     dice = summary["metrics"]["GTV-1_dice"]
     assert dice["count"] == 2 and dice["mean"] == pytest.approx((1.0 + float(rows[1]["GTV-1_dice"])) / 2, abs=1e-5)
+
+
+def test_rows_carry_the_tumour_measurements_of_prediction_and_truth(tmp_path):
+    class State:
+        batch = output = None
+
+    class FakeEngine:
+        state = State()
+
+    spacing = (1.0, 1.0, 3.0)
+    affine = torch.diag(torch.tensor([*spacing, 1.0]))
+    truth = sphere(spacing, (40, 40, 40)).astype(np.float32)
+    pred = truth.copy()
+    pred[5:8, 5:8, 5:8] = 1  # a stray second piece
+    handler = CaseMetrics(tmp_path, ["GTV-1"], tolerance_mm=3.0)
+    onehot = lambda m: MetaTensor(torch.from_numpy(np.stack([1 - m, m])), affine=affine)  # noqa: E731
+    FakeEngine.state.batch = [{"case_id": "A"}]
+    FakeEngine.state.output = [{"pred": onehot(pred), "truth": onehot(truth)}]
+    handler._collect(FakeEngine)
+    handler.write()
+    row = next(csv.DictReader((tmp_path / "metrics.csv").open()))
+    assert float(row["GTV-1_pred_components"]) == 2 and float(row["GTV-1_truth_components"]) == 1
+    assert float(row["GTV-1_truth_long_axis_mm"]) == pytest.approx(2 * R_MM, abs=1.0)  # the sphere's diameter
+    assert float(row["GTV-1_pred_max_3d_diameter_mm"]) >= float(row["GTV-1_truth_max_3d_diameter_mm"])
