@@ -355,6 +355,7 @@ def _ct_slice(pixels, patient_id, study_uid, series_uid, for_uid, sop_uid, serie
     ds.StudyTime = ds.SeriesTime = ds.ContentTime = "120000"
     ds.StudyID, ds.AccessionNumber, ds.ReferringPhysicianName = "1", "", ""
     ds.Modality, ds.Manufacturer, ds.SeriesNumber, ds.InstanceNumber = "CT", "synthetic", series_number, instance
+    ds.AcquisitionNumber, ds.PatientPosition, ds.BodyPartExamined = 1, "HFS", "CHEST"  # a valid CT Image (dciodvfy)
     ds.ImageType = ["ORIGINAL", "PRIMARY", "AXIAL"]
     ds.ImagePositionPatient = [round(v, 4) for v in position]
     ds.ImageOrientationPatient = list(orientation)
@@ -457,7 +458,7 @@ def _rtstruct_dataset(
                 "StudyTime", "StudyID", "AccessionNumber", "ReferringPhysicianName"):  # fmt: skip
         setattr(ds, key, ct.get(key))
     ds.Modality, ds.SeriesInstanceUID, ds.SeriesNumber = "RTSTRUCT", uid("rtstruct"), series_number
-    ds.InstanceNumber = 1
+    ds.InstanceNumber, ds.FrameOfReferenceUID, ds.PositionReferenceIndicator = 1, ct.FrameOfReferenceUID, ""
     ds.Manufacturer, ds.OperatorsName, ds.StructureSetLabel = "synthetic", "", "synthetic"
     ds.StructureSetDate, ds.StructureSetTime = "20260101", "120000"
     series = Dataset()

@@ -76,6 +76,7 @@ def ct_slice(series: Series, k: int, intercept: float = -1024.0) -> Dataset:
     ds.StudyID, ds.AccessionNumber, ds.ReferringPhysicianName, ds.Manufacturer = "1", "", "", "factory"
     ds.SeriesNumber, ds.InstanceNumber, ds.AcquisitionNumber = 2, k + 1, 1
     ds.ImageType, ds.KVP, ds.PatientPosition = ["ORIGINAL", "PRIMARY", "AXIAL"], 120, "HFS"
+    ds.BodyPartExamined = "CHEST"
     ds.ImagePositionPatient = [round(float(v), 4) for v in series.positions()[k]]
     ds.ImageOrientationPatient = [1, 0, 0, 0, 1, 0]
     ds.PixelSpacing = [series.pixel_spacing, series.pixel_spacing]

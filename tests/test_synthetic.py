@@ -6,6 +6,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import shutil
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -117,3 +119,13 @@ def test_write_case_without_rtstruct_writes_what_it_wrote_before(tmp_path, name,
         digest.update(str(ds.InstanceNumber).encode())
     digest.update((tmp_path / "synthetic_truth" / "LUNG1-002.json").read_text().replace(str(tmp_path), "OUT").encode())
     assert digest.hexdigest() == DIGESTS[name]
+
+
+@pytest.mark.skipif(shutil.which("dciodvfy") is None, reason="dciodvfy (Debian's dicom3tools) is not installed")
+def test_synthetic_ct_and_seg_are_valid_dicom_for_dciodvfy(tmp_path):
+    truth = write_case(tmp_path, "LUNG1-001", seed=1, shape=(48, 48, 12), rtstruct=True)
+    files = [sorted(Path(truth["image_dir"]).glob("*.dcm"))[0], Path(truth["seg_file"]), Path(truth["rtstruct_file"])]
+    for path in files:
+        result = subprocess.run(["dciodvfy", str(path)], capture_output=True, text=True, timeout=60)
+        errors = [line for line in (result.stdout + result.stderr).splitlines() if line.startswith("Error")]
+        assert errors == [], f"{path.name}: {errors}"

@@ -7,6 +7,8 @@ an empty one still gives a valid SEG."""
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 from pathlib import Path
 
 import highdicom as hd
@@ -55,7 +57,8 @@ def case(request, tmp_path_factory):
     assert (labels == 1).sum() == truth["tumour"]["num_voxels"] > 0
     path = tmp / "out" / "P1_seg.dcm"
     write_dicom_seg(labels, truth["image_dir"], NAMES, path, algorithm_identification(VERSION))
-    return {"truth": truth, "slices": slices, "centres": centres, "labels": labels, "seg": hd.seg.segread(path)}
+    return {"truth": truth, "slices": slices, "centres": centres, "labels": labels, "seg": hd.seg.segread(path),
+            "path": path}  # fmt: skip
 
 
 def test_seg_equals_the_label_map_voxel_for_voxel(case):
@@ -155,3 +158,10 @@ def test_empty_prediction_still_writes_a_valid_seg(case, tmp_path):
     assert pixels.shape == (SHAPE[2], SHAPE[1], SHAPE[0], 1) and not pixels.any()
     assert seg.FrameOfReferenceUID == case["truth"]["frame_of_reference_uid"]
     assert [p.name for p in tmp_path.iterdir()] == ["empty.dcm"]
+
+
+@pytest.mark.skipif(shutil.which("dciodvfy") is None, reason="dciodvfy (Debian's dicom3tools) is not installed")
+def test_the_seg_inference_writes_is_valid_dicom_for_dciodvfy(case):
+    result = subprocess.run(["dciodvfy", str(case["path"])], capture_output=True, text=True, timeout=60)
+    errors = [line for line in (result.stdout + result.stderr).splitlines() if line.startswith("Error")]
+    assert errors == [], errors
