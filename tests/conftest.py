@@ -56,6 +56,19 @@ def bundle_run(*args: str, cwd: Path | None = None, timeout: int = 900) -> subpr
     return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.fixture(scope="session")
+def tiny_data(tmp_path_factory) -> Path:
+    """Four 48x48x24 synthetic cases on the demo's 2 mm grid, prepared once (3 training, 1 validation): the data of
+    every test of mechanics (resume, DDP, profiling, benchmark), one patch and a few seconds per step."""
+    from scripts.prepare import prepare
+    from scripts.synthetic import generate
+
+    tmp = tmp_path_factory.mktemp("tiny")
+    generate(tmp / "data", num_cases=4, shape=(48, 48, 24), seed=0, tumour_hu=400, pixel_spacing=2.0)
+    prepare(tmp / "data", tmp / "prepared", num_workers=1, progress=False)
+    return tmp
+
+
 def demo_args(tmp: Path, shrink: bool = True, config_file: str = DEMO, **overrides) -> list[str]:
     """The demo config pointed at a temporary folder; ``shrink``: a few small steps (for tests of mechanics)."""
     settings = {"dataset_dir": str(tmp / "data"), "prepared_dir": str(tmp / "prepared"), "output_dir": str(tmp / "run")}

@@ -54,13 +54,13 @@ def test_network_in_and_out_match_the_metadata_from_another_folder(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def zoo_run(tmp_path_factory, monkeypatch_module) -> Path:
+def zoo_run(tmp_path_factory, monkeypatch_module, tiny_data) -> Path:
     """train (one tiny epoch), evaluate and infer, each as a zoo unit test runs it, from a foreign folder."""
     tmp = tmp_path_factory.mktemp("zoo")
     monkeypatch_module.chdir(tmp)
-    common = {"bundle_root": str(ROOT), "dataset_dir": str(tmp / "data"), "prepared_dir": str(tmp / "prepared"),
-              "output_dir": str(tmp / "run"), "demo_cases": 4, "demo_shape": [48, 48, 24], "num_samples": 1,
-              "max_epochs": 1, "val_interval": 1, "num_workers": 0}  # fmt: skip
+    common = {"bundle_root": str(ROOT), "dataset_dir": str(tiny_data / "data"),
+              "prepared_dir": str(tiny_data / "prepared"), "output_dir": str(tmp / "run"), "demo_cases": 4,
+              "num_samples": 1, "max_epochs": 1, "val_interval": 1, "num_workers": 0}  # fmt: skip
     meta = str(ROOT / "configs" / "metadata.json")
     logging = str(ROOT / "configs" / "logging.conf")
     paths = lambda *names: [str(ROOT / "configs" / n) for n in names]  # noqa: E731
@@ -70,7 +70,7 @@ def zoo_run(tmp_path_factory, monkeypatch_module) -> Path:
     # the zoo runs evaluate.json on train.json as a "train" workflow (its test_eval_config)
     check_workflow(ConfigWorkflow(workflow_type="train", config_file=paths("train.yaml", "demo.yaml", "evaluate.yaml"),
                                   meta_file=meta, logging_file=logging, **evaluated))  # fmt: skip
-    inferred = {**common, "input_dir": str(tmp / "data"), "output_dir": str(tmp / "infer"),
+    inferred = {**common, "input_dir": str(tiny_data / "data"), "output_dir": str(tmp / "infer"),
                 "model_path": str(tmp / "run" / "model.pt")}  # fmt: skip
     workflow = ConfigWorkflow(workflow_type="infer", config_file=paths("train.yaml", "demo.yaml", "inference.yaml"),
                               meta_file=meta, logging_file=logging, **inferred)  # fmt: skip

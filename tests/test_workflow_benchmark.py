@@ -8,8 +8,8 @@ import json
 from conftest import bundle_run, configs, demo_args
 
 
-def benchmark(demo_run, tmp_path, **switches) -> tuple[dict, str]:
-    tmp, _, _ = demo_run
+def benchmark(tiny_data, tmp_path, **switches) -> tuple[dict, str]:
+    tmp = tiny_data
     args = demo_args(tmp_path, config_file=configs("train.yaml", "demo.yaml", "benchmark.yaml"),
                      dataset_dir=tmp / "data", prepared_dir=tmp / "prepared", benchmark_warmup=1, benchmark_steps=2,
                      **switches)  # fmt: skip
@@ -18,8 +18,8 @@ def benchmark(demo_run, tmp_path, **switches) -> tuple[dict, str]:
     return json.loads((tmp_path / "run" / "benchmark.json").read_text()), result.stdout
 
 
-def test_benchmark_reports_the_defaults(demo_run, tmp_path):
-    report, stdout = benchmark(demo_run, tmp_path)
+def test_benchmark_reports_the_defaults(tiny_data, tmp_path):
+    report, stdout = benchmark(tiny_data, tmp_path)
     result = report["result"]
     assert result["timed_steps"] == 2 and result["patches_per_step"] == 1
     assert result["ms_per_step_p90"] >= result["ms_per_step_median"] > 0
@@ -31,16 +31,16 @@ def test_benchmark_reports_the_defaults(demo_run, tmp_path):
     assert not (tmp_path / "run" / "checkpoints").exists(), "a benchmark writes no checkpoints"
 
 
-def test_every_cpu_switch_flipped_still_trains(demo_run, tmp_path):
+def test_every_cpu_switch_flipped_still_trains(tiny_data, tmp_path):
     flipped = {"cache": "disk", "thread_loader": "true", "use_checkpoint": "true", "use_v2": "true",
                "channels_last": "true", "compile": "true", "compile_backend": "eager", "cpu_threads": 2,
                "cache_dir": tmp_path / "cache", "num_samples": 2}  # fmt: skip
-    report, _ = benchmark(demo_run, tmp_path, **flipped)
+    report, _ = benchmark(tiny_data, tmp_path, **flipped)
     switches = report["switches"]
     assert switches["loader"] == "ThreadDataLoader" and switches["cache"] == "disk"
     assert switches["use_checkpoint"] and switches["use_v2"] and switches["channels_last"] and switches["compile"]
     assert report["device"]["settings"]["torch.num_threads"] == {"value": 2, "source": "config"}
     # PersistentDataset writes a volume when first loaded: at least the 3 loaded steps, at most the training list
-    training = json.loads((demo_run[0] / "prepared" / "datalist.json").read_text())["training"]
+    training = json.loads((tiny_data / "prepared" / "datalist.json").read_text())["training"]
     assert 3 <= len(list((tmp_path / "cache").glob("*.pt"))) <= len(training)
     assert report["result"]["timed_steps"] == 2 and report["result"]["patches_per_step"] == 2

@@ -47,8 +47,8 @@ def logged_dice(log: str, epoch: int) -> float:
     return float(dict(matches)[str(epoch)])
 
 
-def test_two_ranks_restart_after_a_kill_and_agree(demo_run, tmp_path):
-    demo_tmp, _, _ = demo_run
+def test_two_ranks_restart_after_a_kill_and_agree(tiny_data, tmp_path):
+    demo_tmp = tiny_data
     out = tmp_path / "run"
     rank_file = "'{}/rank' + str(@scripts.distributed.rank()) + '.pt'"
     dump = f"$torch.save(@scripts.weights.unwrap(@network).state_dict(), {rank_file})"
@@ -95,8 +95,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_nodes_on_localhost_with_partitioned_cache(demo_run, tmp_path):
-    demo_tmp, _, _ = demo_run
+def test_two_nodes_on_localhost_with_partitioned_cache(tiny_data, tmp_path):
+    demo_tmp = tiny_data
     port = free_port()
     launcher = ["--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}",
                 "--rdzv_id=pytest"]  # fmt: skip
@@ -122,8 +122,8 @@ def test_two_nodes_on_localhost_with_partitioned_cache(demo_run, tmp_path):
     assert held["0"] | held["1"] == training
 
 
-def test_evaluation_on_two_ranks_counts_every_case_once(demo_run, tmp_path):
-    demo_tmp, _, _ = demo_run
+def test_evaluation_on_two_ranks_counts_every_case_once(tiny_data, tmp_path):
+    demo_tmp = tiny_data
     config_file = configs("train.yaml", "demo.yaml", "evaluate.yaml", "multi_gpu_evaluate.yaml")
     args = ["-m", "monai.bundle", "run", "evaluate", "--config_file", config_file, "--bundle_root", str(ROOT),
             "--dataset_dir", str(demo_tmp / "data"),

@@ -16,8 +16,8 @@ PROFILE = configs("train.yaml", "demo.yaml", "profile.yaml")
 
 
 @pytest.fixture(scope="module")
-def profiled(tmp_path_factory, demo_run):
-    demo_tmp, _, _ = demo_run
+def profiled(tmp_path_factory, tiny_data):
+    demo_tmp = tiny_data
     tmp = tmp_path_factory.mktemp("profiled")
     args = demo_args(tmp, config_file=PROFILE, max_epochs=1, dataset_dir=demo_tmp / "data",
                      prepared_dir=demo_tmp / "prepared")  # fmt: skip

@@ -68,10 +68,10 @@ def test_validation_picture_reaches_tensorboard(demo_run):
 
 
 @pytest.fixture(scope="module")
-def resumed(tmp_path_factory, demo_run) -> dict[str, Path | str]:
+def resumed(tmp_path_factory, tiny_data) -> dict[str, Path | str]:
     """Two epochs straight through; the same run (started with --resume true and no checkpoint yet) killed during
     epoch 2; then resumed. Mechanics only: a few small cases, one patch per step."""
-    demo_tmp, _, _ = demo_run
+    demo_tmp = tiny_data
     tmp = tmp_path_factory.mktemp("resume")
     shared = {"dataset_dir": demo_tmp / "data", "prepared_dir": demo_tmp / "prepared", "max_epochs": 2}
     straight = bundle_run(*demo_args(tmp / "a", **shared))
