@@ -51,6 +51,8 @@ def find_annotation(case_dir: str | Path, label_source: str = "auto") -> Path:
                 if kind:
                     found[kind].append(path)
     kind = label_source if label_source != "auto" else ("seg" if found["seg"] else "rtstruct")
+    if not any((case_dir / name).is_dir() for name in ANNOTATION_FOLDERS):
+        raise DicomCaseError(f"{case_dir}: no seg folder (nor rtstruct folder); this case has no labels to train on.")
     if not found[kind]:
         holds = ", ".join(f"{len(v)} {k.upper()}" for k, v in found.items() if v) or "no SEG or RTSTRUCT"
         raise DicomCaseError(

@@ -31,7 +31,7 @@ def find_single(folder: str | Path, sop_class: str, kind: str) -> Path:
     kind of annotation, a DICOMDIR, notes) are ignored. :class:`DicomCaseError` when there is none or several."""
     folder = Path(folder)
     if not folder.is_dir():
-        raise DicomCaseError(f"{folder}: no such folder; this case has no {kind} to read labels from.")
+        raise DicomCaseError(f"{folder}: no {folder.name} folder; this case has no {kind} to read labels from.")
     files = sorted(p for p in folder.iterdir() if p.is_file() and not p.name.startswith("."))
     found = [p for p in files if sop_class_of(p) == sop_class]
     if not found:

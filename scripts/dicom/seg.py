@@ -67,7 +67,7 @@ def read_seg_labels(seg_file: str | Path, ct: CtSeries, labels: Sequence[str]) -
         for frame_index, (number, k) in enumerate(slice_of_frame)
         if number in wanted and k is not None
     )
-    pixels = _seg_frames(seg, seg_file) if frames else None
+    pixels = _seg_frames(seg, seg_file, sorted({f for _, f, _ in frames})) if frames else None
     for index, frame_index, k in reversed(frames):
         stored = pixels[frame_index]
         mask = stored >= 0.5 * max_fraction if fractional else stored > 0
@@ -97,13 +97,29 @@ def _read_seg(seg_file: Path) -> pydicom.Dataset:
     return seg
 
 
-def _seg_frames(seg: pydicom.Dataset, seg_file: Path) -> np.ndarray:
-    """All frames of the SEG, ``(frames, rows, columns)``: BINARY unpacked to 0/1, FRACTIONAL as stored."""
+def _seg_frames(seg: pydicom.Dataset, seg_file: Path, needed: Sequence[int]) -> dict[int, np.ndarray]:
+    """The ``needed`` frames of the SEG by index, ``(rows, columns)`` each: BINARY unpacked to 0/1, FRACTIONAL as
+    stored. Uncompressed frames that start on a byte boundary (every BINARY frame whose rows x columns is a
+    multiple of 8, e.g. 512 x 512) are unpacked alone: the other structures' frames (lungs, heart, ...: most of an
+    NSCLC-Radiomics SEG) are never decoded. Anything else goes through pydicom's decoder."""
+    rows, columns = int(seg.Rows), int(seg.Columns)
+    bits = int(seg.get("BitsAllocated", 1))
+    syntax = getattr(seg.get("file_meta"), "TransferSyntaxUID", None)
+    frame_bits = rows * columns * bits
+    if syntax is not None and not syntax.is_compressed and bits in (1, 8) and frame_bits % 8 == 0:
+        data = seg.PixelData
+        size = frame_bits // 8
+        if len(data) >= size * int(seg.get("NumberOfFrames", 1) or 1):
+            raw = {i: np.frombuffer(data, np.uint8, size, i * size) for i in needed}
+            if bits == 1:
+                return {i: np.unpackbits(b, bitorder="little").reshape(rows, columns) for i, b in raw.items()}
+            return {i: b.reshape(rows, columns) for i, b in raw.items()}
     try:
         pixels = seg.pixel_array
     except Exception as err:  # truncated pixel data, unsupported compression, ...
         raise DicomCaseError(f"{seg_file}: SEG pixel data cannot be decoded ({err}); download the case again.") from err
-    return pixels.reshape(int(seg.get("NumberOfFrames", 1) or 1), int(seg.Rows), int(seg.Columns))
+    pixels = pixels.reshape(int(seg.get("NumberOfFrames", 1) or 1), rows, columns)
+    return {i: pixels[i] for i in needed}
 
 
 def _match_segments(available: dict[int, str], labels: Sequence[str], seg_file: Path) -> dict[str, list[int]]:
