@@ -27,7 +27,7 @@ torch/kineto write them (each opens with a line holding only ``  {``), decodes o
 kernel, section or launch marker, with the C scanner of :mod:`json`, and counts the others without decoding them;
 any other layout, or text that stops fitting it, is read with ``"json"``: every event decoded by that scanner.
 ``"ijson"`` uses ``ijson.items`` (its C backend when built) where that package is installed. On a 1 GB synthetic
-kineto trace on 2 cores (``python -m scripts.bench_trace --parser ...``): auto 70-111 MB/s (two sessions of this
+kineto trace on 2 cores (``python -m benchmarks.bench_trace --parser ...``): auto 70-111 MB/s (two sessions of this
 shared machine), ijson 81 MB/s, json 70 MB/s, each about 65 MB peak RSS. Skipped events are not validated;
 truncation is always detected, since the last events and the closing bracket go through the checked parser.
 

@@ -8,7 +8,7 @@ process, checks the section statistics against the values the generator recorded
 trace size, the child's wall time, throughput (MB/s, 10^6 bytes) and peak resident memory (``ru_maxrss`` of that
 child, from ``os.wait4``)::
 
-    python -m scripts.bench_trace [--size_gb 1.0] [--output_dir DIR] [--keep false] [--json_out FILE]
+    python -m benchmarks.bench_trace [--size_gb 1.0] [--output_dir DIR] [--keep false] [--json_out FILE]
                                   [--parser auto|json|ijson]
 
 Without ``--output_dir`` the trace goes to a temporary folder that is removed afterwards (unless ``--keep true``).
