@@ -99,7 +99,7 @@ def main(
 ) -> None:
     """Check every shape against the full-load reference, then time the summariser on large traces; print a table."""
     chosen = _split(shapes, SHAPES)
-    parser_list = _split(parsers, ("auto", "json", "ijson"))
+    parser_list = _split(parsers, ("auto", "orjson", "json", "ijson"))
     keep = _as_bool(keep)
     folder = Path(output_dir) if output_dir else Path(tempfile.mkdtemp(prefix="bench_trace_"))
     folder.mkdir(parents=True, exist_ok=True)
@@ -212,12 +212,16 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
 
 
 # -------------------------------------------------------------------------------------------------------- generator
-def write_trace(path: Path, min_bytes: int, shape: str = "mixed-after", gz_path: Path | None = None) -> dict[str, Any]:
+def write_trace(
+    path: Path, min_bytes: int, shape: str = "mixed-after", gz_path: Path | None = None, ops_scale: float = 1.0
+) -> dict[str, Any]:
     """Stream a synthetic trace of ``shape`` of at least ``min_bytes`` to ``path`` (and gzipped to ``gz_path``).
+
+    ``ops_scale`` scales the operators per section (small steps for quick tests).
 
     Returns the statistics the trace was built with (:meth:`_TraceWriter.expected`).
     """
-    gen = _TraceWriter(shape)
+    gen = _TraceWriter(shape, ops_scale)
     with ExitStack() as stack:
         outs: list[TextIO] = [stack.enter_context(open(path, "w", encoding="utf-8"))]
         if gz_path is not None:
@@ -237,7 +241,7 @@ def write_trace(path: Path, min_bytes: int, shape: str = "mixed-after", gz_path:
 class _TraceWriter:
     """Writes one training step at a time and records the durations a correct summariser must report (µs)."""
 
-    def __init__(self, shape: str) -> None:
+    def __init__(self, shape: str, ops_scale: float = 1.0) -> None:
         parts = shape.split("-")
         if len(parts) not in (2, 3) or parts[0] not in LAUNCHES or parts[1] not in ("after", "before"):
             raise ValueError(f"unknown shape {shape!r}; use one of {', '.join(SHAPES)}")
@@ -250,6 +254,7 @@ class _TraceWriter:
         self.gpu_free = {COMPUTE_STREAM: self.t, SIDE_STREAM: self.t, COPY_STREAM: self.t}
         self.corr, self.ext, self.events, self.kernels, self.launch_index = 1, 1, 0, 0, 0
         self.durations: dict[str, list[float]] = {}
+        self.ops = {name: max(1, round(n * ops_scale)) for name, n in OPS_PER_SECTION.items()}
 
     def chunks(self) -> Iterator[str]:
         """The header, then one step after another (without end: the caller stops and writes the footer)."""
@@ -304,14 +309,17 @@ class _TraceWriter:
         self.ext += 1
 
     def _cpu_op(self, out: list[str], name: str, tid: int, ts: float, dur: float) -> None:
+        """An operator with recorded shapes (sizes vary from op to op, as in a real network)."""
+        c, d = 24 * (1 + self.ext % 5), 96 >> (self.ext % 4)
         args = (
             f'"External id": {self.ext},"Sequence number": {self.ext % 977}, "Fwd thread id": 0, '
-            '"Record function id": 0, "Concrete Inputs": ["", "", "", "[1, 1, 1]", "[1, 1, 1]"], '
+            f'"Record function id": 0, "Concrete Inputs": ["", "", "", "[{d % 3}, 1, 1]", "[1, 1, 1]"], '
             '"Input type": ["c10::Half", "c10::Half", "c10::Half", "ScalarList", "ScalarList"], '
-            '"Input Strides": [[884736, 1, 9216, 96, 1], [81, 1, 27, 9, 3], [1], [], []], '
-            f'"Input Dims": [[1, 48, 96, 96, 96], [48, 48, 3, 3, 3], [48], [], []], "Ev Idx": {self.ext}'
+            f'"Input Strides": [[{c * d**3}, 1, {c * d * d}, {c * d}, 1], [{c * 27}, 1, {c * 9}, {c * 3}, {c}], '
+            f'[1], [], []], "Input Dims": [[1, {c}, {d}, {d}, {d}], [{c}, {c}, 3, 3, 3], [{c}], [], []], '
+            f'"Ev Idx": {self.ext}'
         )
-        self._x(out, "cpu_op", name, tid, ts, dur, args)
+        self._x(out, "cpu_op", name, tid, ts + (self.ext % 7) * 0.001, dur + (self.ext % 13) * 0.37, args)
         self.ext += 1
 
     def _launch(self, out: list[str], gpu: list[str], tid: int, stream: int, copy: bool = False) -> tuple[float, float]:
@@ -336,8 +344,10 @@ class _TraceWriter:
         else:
             args = (
                 f'"External id": {self.ext}, "queued": 0, "device": 0, "context": 1, "stream": {stream}, '
-                f'"correlation": {corr}, "registers per thread": 72, "shared memory": 16384, "blocks per SM": 1.6, '
-                '"warps per SM": 6.4, "grid": [216, 1, 1], "block": [128, 1, 1], "est. achieved occupancy %": 12'
+                f'"correlation": {corr}, "registers per thread": {32 + corr % 7 * 8}, "shared memory": '
+                f'{corr % 5 * 4096}, "blocks per SM": {corr % 23 / 10}, "warps per SM": {corr % 67 / 10}, "grid": '
+                f'[{corr % 997}, {1 + corr % 3}, 1], "block": [{128 << corr % 3}, 1, 1], "est. achieved occupancy %": '
+                f"{corr % 100}"
             )
             self._x(gpu, "kernel", KERNEL_NAMES[corr % len(KERNEL_NAMES)], stream, start, dur, args, GPU_PID)
             self.kernels += 1
@@ -386,10 +396,10 @@ class _TraceWriter:
         self.t += 10.0
         step_ts = self.t
         self.t += 5.0
-        self._section(out, gpu, "forward", OPS_PER_SECTION["forward"] + index % 3)
-        self._section(out, gpu, "backward", OPS_PER_SECTION["backward"] + index % 5)
+        self._section(out, gpu, "forward", self.ops["forward"] + index % 3)
+        self._section(out, gpu, "backward", self.ops["backward"] + index % 5)
         opt_ts = self.t
-        for _ in range(OPS_PER_SECTION["optimizer"]):  # launched outside forward/backward: not theirs
+        for _ in range(self.ops["optimizer"]):  # launched outside forward/backward: not theirs
             self._cpu_op(out, "aten::_foreach_add_", MAIN_TID, self.t, 8.0)
             self._launch(out, gpu, MAIN_TID, COMPUTE_STREAM)
         self._cpu_record(out, "optimizer", opt_ts, self.t - opt_ts)
@@ -474,9 +484,26 @@ def _stats(values_us: list[float]) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------------------------ runner
+# The child reports its own peak RSS (VmHWM, of the process image after exec): ru_maxrss from wait4 would include
+# the memory of this (larger) benchmark process, which the child borrows between fork and exec.
+_CHILD = """
+import runpy, sys
+sys.argv = sys.argv[1:]
+try:
+    runpy.run_module("scripts.summarize_trace", run_name="__main__", alter_sys=True)
+finally:
+    try:
+        with open("/proc/self/status") as status:
+            hwm = [line.split()[1] for line in status if line.startswith("VmHWM:")]
+        sys.stderr.write(f"\\nVmHWM {hwm[0]}\\n")
+    except (OSError, IndexError):
+        pass
+"""
+
+
 def run_summarizer(trace: Path, parser: str) -> dict[str, Any]:
     """Run the CLI in a child process; its wall time, peak RSS (KiB) and parsed JSON output."""
-    cmd = [sys.executable, "-m", "scripts.summarize_trace", str(trace), "--format", "json", "--parser", parser]
+    cmd = [sys.executable, "-c", _CHILD, "summarize_trace", str(trace), "--format", "json", "--parser", parser]
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         t0 = time.perf_counter()
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=err)
@@ -491,8 +518,15 @@ def run_summarizer(trace: Path, parser: str) -> dict[str, Any]:
         out.seek(0)
         err.seek(0)
         stdout, stderr = out.read().decode(), err.read().decode()
+    hwm = [line.split()[1] for line in stderr.splitlines() if line.startswith("VmHWM ")]
     summary = json.loads(stdout) if proc.returncode == 0 else None
-    return {"wall_s": wall, "maxrss_kb": maxrss, "summary": summary, "stderr": stderr, "parser": parser}
+    return {
+        "wall_s": wall,
+        "maxrss_kb": int(hwm[-1]) if hwm else maxrss,
+        "summary": summary,
+        "stderr": "\n".join(line for line in stderr.splitlines() if not line.startswith("VmHWM ")),
+        "parser": parser,
+    }
 
 
 def _split(value: str | tuple | list, allowed: tuple[str, ...]) -> list[str]:
