@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 import zipfile
 from pathlib import Path
@@ -381,6 +382,39 @@ def test_events_after_the_list_are_not_counted(tmp_path, layout):
         summary = st.summarize(path, parser=parser)
         assert summary["events"] == len(trace["traceEvents"]), parser
         check(summary["sections"], EXPECTED_KERNELS)
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 4096])
+def test_raw_utf8_text_and_a_bom_split_across_chunks(tmp_path, monkeypatch, chunk):
+    # chunks of 1 and 5 split multi-byte characters in the gzip read-ahead; skimming needs chunks longer than events
+    trace = make_trace()
+    events = trace["traceEvents"]
+    for i, ev in enumerate(events):
+        if ev.get("cat") == "cpu_op" and i % 3 == 0:
+            ev["name"] = "aten::mm_ünïcødé_操作"  # multi-byte characters in skipped and decoded text alike
+        if ev.get("cat") == "kernel":
+            ev["name"] = "void k<ε>()"
+    text = "\ufeff" + "[\n" + ",\n".join(json.dumps(ev, ensure_ascii=False) for ev in events) + "\n]\n"
+    plain, packed = tmp_path / "trace.json", tmp_path / "trace.json.gz"
+    plain.write_bytes(text.encode("utf-8"))
+    packed.write_bytes(gzip.compress(text.encode("utf-8")))
+    monkeypatch.setattr(st, "_CHUNK_CHARS", chunk)
+    full = st.summarize(plain, parser="json")
+    for path in (plain, packed):
+        skim = st.summarize(path)
+        assert skim["parser"] == ("json-skim" if chunk > 1000 else "json")
+        assert {**skim, "parser": "", "trace": ""} == {**full, "parser": "", "trace": ""}
+        check(skim["sections"], EXPECTED_KERNELS)
+
+
+def test_a_failure_early_in_a_compressed_trace_stops_the_read_ahead_thread(tmp_path):
+    path = tmp_path / "trace.json.gz"
+    body = kineto_text(make_trace())
+    path.write_bytes(gzip.compress(('{"traceEvents": [{"ph": "X"} {' + body * 200).encode()))  # malformed at once
+    before = threading.active_count()
+    with pytest.raises(st.TraceError, match="malformed"):
+        st.summarize(path)
+    assert threading.active_count() == before
 
 
 def test_json_gz_and_zip_inputs_give_identical_results(tmp_path):
