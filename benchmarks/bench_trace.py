@@ -190,6 +190,7 @@ def _row(
 
 
 def _row_line(row: dict[str, Any]) -> str:
+    """One progress line for a result row."""
     return (
         f"bench_trace: {row['shape']} {row['file']} ({row['trace_bytes'] / 1e9:.2f} GB, {row['events']} events, "
         f"{row['kernels']} kernels) parser={row['parser']}: {row['wall_s']} s, {row['mb_per_s']} MB/s, "
@@ -265,6 +266,7 @@ class _TraceWriter:
             step += 1
 
     def header(self) -> str:
+        """The top-level keys before the events, as torch writes them."""
         return (
             '{\n  "schemaVersion": 1,\n  "deviceProperties": [\n    {\n      "id": 0, "name": "NVIDIA H100 80GB HBM3", '
             '"totalGlobalMem": 85045559296,\n      "computeMajor": 9, "computeMinor": 0\n    }\n  ],\n'
@@ -274,6 +276,7 @@ class _TraceWriter:
         )
 
     def footer(self) -> str:
+        """The end of the event list and a trailing top-level key that holds marker texts (not an event)."""
         return '\n  ],\n  "traceName": "/runs/profiler/__sec:kernel-cudaLaunchKernel.json"\n}\n'
 
     def _emit(self, out: list[str], fields: list[tuple[str, str]], args: str | None) -> None:
@@ -291,10 +294,12 @@ class _TraceWriter:
     def _x(
         self, out: list[str], cat: str, name: str, tid: int, ts: float, dur: float, args: str, pid: int = PID
     ) -> None:
+        """A complete (``ph: X``) event with its fields in kineto's order."""
         fields = [("ph", '"X"'), ("cat", f'"{cat}"'), ("name", json.dumps(name)), ("pid", str(pid)), ("tid", str(tid))]
         self._emit(out, [*fields, ("ts", f"{ts:.3f}"), ("dur", f"{dur:.3f}")], args)
 
     def _flow(self, out: list[str], ph: str, pid: int, tid: int, ts: float, corr: int) -> None:
+        """An ``ac2g`` flow start (``s``, at the launch) or end (``f``, at the kernel)."""
         fields = [("ph", f'"{ph}"'), ("id", str(corr)), ("pid", str(pid)), ("tid", str(tid)), ("ts", f"{ts:.3f}")]
         fields += [("cat", '"ac2g"'), ("name", '"ac2g"')] + ([("bp", '"e"')] if ph == "f" else [])
         self._emit(out, fields, None)
@@ -474,6 +479,7 @@ def compare(got: dict[str, dict[str, Any]], want: dict[str, dict[str, Any]]) -> 
 
 
 def _stats(values_us: list[float]) -> dict[str, Any]:
+    """count, min, mean, median, max (s) of durations in µs, unrounded."""
     return {
         "count": len(values_us),
         "min_s": min(values_us) / 1e6,
@@ -541,10 +547,12 @@ def _split(value: str | tuple | list, allowed: tuple[str, ...]) -> list[str]:
 
 
 def _load() -> float:
+    """The 1-minute load average now (benchmarks on a shared machine are noisy)."""
     return round(os.getloadavg()[0], 2)
 
 
 def _as_bool(value: bool | str) -> bool:
+    """A command-line flag given as a bool or a string such as ``true``/``false``."""
     if isinstance(value, str):
         return value.strip().lower() in ("1", "true", "yes", "on")
     return bool(value)

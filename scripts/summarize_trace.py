@@ -196,6 +196,7 @@ def main(trace: str, format: str = "text", parser: str = "auto") -> None:
 
 
 def _fail(message: str) -> NoReturn:
+    """Print the message as the CLI's error and exit with status 2 (no traceback)."""
     print(f"summarize_trace: error: {message}", file=sys.stderr)
     raise SystemExit(2)
 
@@ -259,6 +260,7 @@ class _ReadAhead(io.RawIOBase):
         self.thread.start()
 
     def _run(self, stream: BinaryIO, size: int) -> None:
+        """Thread body: read chunks into the queue until the end, an error (queued too) or :meth:`stop`."""
         try:
             while not self.halt.is_set():
                 data = stream.read(size)
@@ -269,6 +271,7 @@ class _ReadAhead(io.RawIOBase):
             self.chunks.put(exc)
 
     def readable(self) -> bool:
+        """Always: this stream is for reading."""
         return True
 
     def readinto(self, buffer: Any) -> int:
@@ -302,6 +305,7 @@ class _Scanner:
         self.scan = json.JSONDecoder().scan_once
 
     def fill(self) -> bool:
+        """Append the next chunk to the buffer (dropping the text before ``pos``); False at the end of the file."""
         if self.eof:
             return False
         data = self.stream.read(_CHUNK_CHARS)
@@ -325,6 +329,7 @@ class _Scanner:
                 return ""
 
     def expect(self, chars: str, where: str) -> str:
+        """Consume the next non-whitespace character, one of ``chars``; else a truncated/malformed error."""
         char = self.peek()
         if char == "":
             raise self.error("truncated", f"the file ends inside {where}")
@@ -357,6 +362,7 @@ class _Scanner:
                 raise self.error("truncated", f"{msg} at character {self.base + err_pos}, the end of the file")
 
     def error(self, kind: str, detail: str) -> TraceError:
+        """A :class:`TraceError` naming the file: ``truncated`` (asks whether it was still written) or malformed."""
         if kind == "truncated":
             return TraceError(f"{self.path}: truncated JSON ({detail}); was the trace still being written?")
         return TraceError(f"{self.path}: malformed JSON ({detail})")
@@ -699,6 +705,7 @@ class _Collected:
 
 
 def _is_launch_name(name: str, cache: dict[str, bool]) -> bool:
+    """Whether ``name`` is a launch once API-version and stream suffixes are dropped (cached per name)."""
     known = cache.get(name)
     if known is None:
         known = cache[name] = _NAME_SUFFIX.sub("", name) in LAUNCH_NAMES
@@ -713,6 +720,7 @@ def _adder(out: _Collected) -> Callable[[Any], None]:
     launch_names, name_cache, prefix, n_prefix = LAUNCH_NAMES, {}, SECTION_PREFIX, len(SECTION_PREFIX)
 
     def add(ev: Any) -> None:
+        """Keep a kernel's (correlation, start, end), a launch's (thread, ts, correlation) or a section range."""
         try:
             if ev.get("ph") != "X":
                 return
@@ -826,6 +834,7 @@ def _owner_lookup(launched: array, owner: array) -> Any:
                 extra.setdefault(corr, []).append(rid)
 
         def lookup(corr: int) -> Any:
+            """Range ids whose launches carry ``corr`` (table-indexed)."""
             index = corr - low
             if index < 0 or index > high - low or table[index] < 0:
                 return none
@@ -840,6 +849,7 @@ def _owner_lookup(launched: array, owner: array) -> Any:
             first[corr] = rid
 
     def lookup_sparse(corr: int) -> Any:
+        """Range ids whose launches carry ``corr`` (dict-indexed)."""
         rid = first.get(corr)
         if rid is None:
             return none
@@ -861,17 +871,20 @@ def _stats(values_us: list[float]) -> dict[str, Any]:
 
 
 def _ordered(names: Iterable[str]) -> list[str]:
+    """Section names in :data:`SECTION_ORDER`, the others after them alphabetically."""
     rank = {name: i for i, name in enumerate(SECTION_ORDER)}
     return sorted(names, key=lambda name: (rank.get(name, len(rank)), name))
 
 
 def _device_names(properties: Any) -> list[str]:
+    """The GPU names in the trace's ``deviceProperties`` (none when absent or malformed)."""
     if not isinstance(properties, list):
         return []
     return [str(p["name"]) for p in properties if isinstance(p, dict) and "name" in p]
 
 
 def _cli() -> None:
+    """The command line: fire where installed, else the same options through argparse."""
     try:
         import fire
     except ImportError:  # a laptop without fire: the same interface through argparse
