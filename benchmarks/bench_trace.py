@@ -19,12 +19,16 @@ For every shape the benchmark
    disk step by step so the benchmark itself stays small;
 3. runs ``python -m scripts.summarize_trace TRACE --format json --parser P`` in a child process for each file and
    parser, checks its statistics against the generator's record (1e-6 s), and measures the child's wall time,
-   throughput (MB/s of uncompressed trace, 10^6 bytes) and peak resident memory (``ru_maxrss`` from ``os.wait4``).
+   throughput (MB/s of uncompressed trace, 10^6 bytes) and peak resident memory (the child's own ``VmHWM``; where
+   ``/proc`` is missing, ``ru_maxrss`` from ``os.wait4``, which also counts this process's memory).
 
 It prints a markdown table, one row per shape, file and parser, and the slowest row::
 
     python -m benchmarks.bench_trace [--size_gb 1.0] [--shapes all|cuda-after,mixed-before,...]
-                                     [--parsers auto[,ijson]] [--output_dir DIR] [--keep false] [--json_out FILE]
+                                     [--parsers auto[,orjson,json,ijson]] [--output_dir DIR] [--keep false]
+                                     [--json_out FILE]
+
+``--parsers auto,orjson`` compares the standard library with the optional accelerator (``pip install orjson``).
 
 Without ``--output_dir`` the traces go to a temporary folder that is removed afterwards (unless ``--keep true``).
 """
