@@ -576,7 +576,7 @@ class _ArrayReader:
         the event at ``q`` goes on in the next chunk; -1: the event at ``q`` is not a trace event around
         ``marker``), and the number of events decoded."""
         head, brace, scan, fast, add = self.head, self.brace, self.sc.scan, self.fast, self.state.add
-        rfind, startswith = buf.rfind, buf.startswith
+        find, rfind, startswith = buf.find, buf.rfind, buf.startswith
         m, decoded = q, 0
         for m in _marker_positions(buf, q):
             if m < q:  # inside an event already decoded
@@ -584,15 +584,17 @@ class _ArrayReader:
             h = rfind(head, q, m)
             if h < 0:
                 return q, -1, m, decoded
-            if fast is None:
+            end = 0
+            if fast is not None and (stop := find(head, m)) >= 0:
+                try:  # the accelerator takes the text up to the next head, which must be exactly one value
+                    event, end = fast(buf[h + brace : stop + 1]), stop + 1
+                except ValueError:  # not one value, or one it refuses: the json scanner decides
+                    end = 0
+            if not end:
                 try:
                     event, end = scan(buf, h + brace)
                 except (StopIteration, json.JSONDecodeError):
-                    return h, -2 if buf.find(head, m) < 0 and not self.sc.eof else -1, m, decoded
-            else:
-                event, end = self._decode_fast(buf, h + brace, m)
-                if end < 0:
-                    return h, end, m, decoded
+                    return h, -2 if find(head, m) < 0 and not self.sc.eof else -1, m, decoded
             if end <= m or not isinstance(event, dict) or "ph" not in event:
                 return h, -1, m, decoded
             add(event)
@@ -602,21 +604,6 @@ class _ArrayReader:
             q = end - 1
         last = rfind(head, q + 1)
         return max(last, q), -2, m, decoded
-
-    def _decode_fast(self, buf: str, at: int, marker: int) -> tuple[Any, int]:
-        """The value opening at ``buf[at]`` and its end, by the accelerator where it takes the text up to the next
-        head as exactly one value, else by the :mod:`json` scanner; ``(None, -2)`` where it may go on in the next
-        chunk, ``(None, -1)`` where it cannot be decoded."""
-        stop = buf.find(self.head, marker)
-        if stop >= 0:
-            try:
-                return self.fast(buf[at : stop + 1]), stop + 1
-            except ValueError:
-                pass
-        try:
-            return self.sc.scan(buf, at)
-        except (StopIteration, json.JSONDecodeError):
-            return None, -2 if stop < 0 and not self.sc.eof else -1
 
     def _refill(self, q: int) -> bool:
         """Read on, keeping the text from ``q``; False (``sc.pos`` at the event after ``q``) at the end of the file
