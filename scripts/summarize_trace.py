@@ -184,7 +184,10 @@ def format_table(summary: dict[str, Any]) -> str:
 
 
 def main(trace: str, format: str = "text", parser: str = "auto") -> None:
-    """Print the per-section statistics of TRACE (.json, .json.gz or .zip) as a table (``text``) or ``json``."""
+    """Print the per-section statistics of TRACE (.json, .json.gz or .zip) as a table (``text``) or ``json``.
+
+    ``--parser``: ``auto`` (standard library, the default), ``orjson`` (the same skim, events decoded by the optional
+    orjson package: faster), ``json`` (every event decoded) or ``ijson``."""
     trace = str(trace)
     if format not in ("text", "json"):
         _fail(f"--format must be 'text' or 'json', not {format!r}")
