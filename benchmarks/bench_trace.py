@@ -19,7 +19,8 @@ For every shape the benchmark
    disk step by step so the benchmark itself stays small;
 3. runs ``python -m scripts.summarize_trace TRACE --format json --parser P`` in a child process for each file and
    parser, checks its statistics against the generator's record (1e-6 s), and measures the child's wall time,
-   throughput (MB/s of uncompressed trace, 10^6 bytes) and peak resident memory (the child's own ``VmHWM``; where
+   throughput (MB/s of uncompressed trace, 10^6 bytes; also per CPU second of the child, steadier on a shared
+   machine, where it counts the read-ahead thread too) and peak resident memory (the child's own ``VmHWM``; where
    ``/proc`` is missing, ``ru_maxrss`` from ``os.wait4``, which also counts this process's memory).
 
 It prints a markdown table, one row per shape, file and parser, and the slowest row::
@@ -184,6 +185,8 @@ def _row(
         "kernels": expected["kernels"],
         "wall_s": round(run["wall_s"], 2),
         "mb_per_s": round(size / 1e6 / run["wall_s"], 1),
+        "cpu_s": round(run["cpu_s"], 2),
+        "mb_per_cpu_s": round(size / 1e6 / max(run["cpu_s"], 1e-9), 1),
         "peak_rss_mb": round(run["maxrss_kb"] / 1024, 1),
         "load": _load(),
         "generate_s": round(gen_s, 1),
@@ -198,20 +201,21 @@ def _row_line(row: dict[str, Any]) -> str:
     return (
         f"bench_trace: {row['shape']} {row['file']} ({row['trace_bytes'] / 1e9:.2f} GB, {row['events']} events, "
         f"{row['kernels']} kernels) parser={row['parser']}: {row['wall_s']} s, {row['mb_per_s']} MB/s, "
-        f"peak RSS {row['peak_rss_mb']} MB, load {row['load']}, check {row['check']}"
+        f"{row['mb_per_cpu_s']} MB per CPU s, peak RSS {row['peak_rss_mb']} MB, load {row['load']}, "
+        f"check {row['check']}"
     )
 
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:
-    """The rows as a markdown table (shape, file, parser, GB, s, MB/s, peak RSS MB, load average, check)."""
+    """The rows as a markdown table (shape, file, parser, GB, s, MB/s, MB per CPU second, peak RSS MB, load, check)."""
     lines = [
-        "| shape | file | parser | trace GB | s | MB/s | peak RSS MB | load | check |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| shape | file | parser | trace GB | s | MB/s | MB per CPU s | peak RSS MB | load | check |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['shape']} | {r['file']} | {r['parser']} | {r['trace_bytes'] / 1e9:.2f} | {r['wall_s']} | "
-            f"{r['mb_per_s']} | {r['peak_rss_mb']} | {r['load']} | {r['check']} |"
+            f"{r['mb_per_s']} | {r['mb_per_cpu_s']} | {r['peak_rss_mb']} | {r['load']} | {r['check']} |"
         )
     return "\n".join(lines)
 
@@ -520,10 +524,11 @@ def run_summarizer(trace: Path, parser: str) -> dict[str, Any]:
         if hasattr(os, "wait4"):
             _, status, usage = os.wait4(proc.pid, 0)
             proc.returncode = os.waitstatus_to_exitcode(status)
-            maxrss = usage.ru_maxrss
+            maxrss, cpu = usage.ru_maxrss, usage.ru_utime + usage.ru_stime
         else:  # pragma: no cover - non-Unix
             proc.wait()
-            maxrss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+            usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+            maxrss, cpu = usage.ru_maxrss, usage.ru_utime + usage.ru_stime
         wall = time.perf_counter() - t0
         out.seek(0)
         err.seek(0)
@@ -532,6 +537,7 @@ def run_summarizer(trace: Path, parser: str) -> dict[str, Any]:
     summary = json.loads(stdout) if proc.returncode == 0 else None
     return {
         "wall_s": wall,
+        "cpu_s": cpu,
         "maxrss_kb": int(hwm[-1]) if hwm else maxrss,
         "summary": summary,
         "stderr": "\n".join(line for line in stderr.splitlines() if not line.startswith("VmHWM ")),

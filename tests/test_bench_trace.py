@@ -76,7 +76,7 @@ def test_child_run_reports_time_memory_and_a_table(tmp_path):
     run = bt.run_summarizer(path, "auto")
     assert run["summary"] is not None, run["stderr"]
     assert bt.compare(run["summary"]["sections"], expected["sections"]) == []
-    assert run["wall_s"] > 0 and 5_000 < run["maxrss_kb"] < 256_000
+    assert run["wall_s"] > 0 and run["cpu_s"] > 0 and 5_000 < run["maxrss_kb"] < 256_000
     row = bt._row("mixed-after", path, path.stat().st_size, expected, run, [], 0.1)
     table = bt.markdown_table([row])
     assert table.splitlines()[0].startswith("| shape | file | parser |") and "| mixed-after | .json |" in table
