@@ -22,17 +22,19 @@ Memory: one pass keeps the section ranges (few) and, per launch and per kernel, 
 (20 and 24 bytes); ranges and kernels may come in any order in the file. The launch-to-kernel join uses a table
 indexed by correlation id (4 bytes an id), not a dict.
 
-Parsing (``parser``): ``"auto"`` (default) reads text in 1 MiB chunks and, when the events are laid out as
-torch/kineto write them (each opens with a line holding only ``  {``), decodes only the events whose text holds a
-kernel, section or launch marker, with the C scanner of :mod:`json`, and counts the others without decoding them;
-any other layout, or text that stops fitting it, is read with ``"json"``: every event decoded by that scanner.
-``"ijson"`` uses ``ijson.items`` (its C backend when built) where that package is installed. On a 1 GB synthetic
-kineto trace on 2 cores (``python -m scripts.bench_trace --parser ...``): auto 70-111 MB/s (two sessions of this
-shared machine), ijson 81 MB/s, json 70 MB/s, each about 65 MB peak RSS. Skipped events are not validated;
-truncation is always detected, since the last events and the closing bracket go through the checked parser.
+Parsing (``parser``): ``"auto"`` (default, standard library) reads text in 1 MiB chunks and skims it whatever the
+layout (kineto's, one event a line, indented, one line): the first events, decoded in full, give the exact text
+between two events (:class:`_ArrayReader`); after that only the events whose text holds a kernel, section or launch
+marker are decoded (by the C scanner of :mod:`json`) and the others are counted by that text, which is trusted only
+where cheap counts show that it separates events of the list; any other text is read event by event. ``"json"``
+decodes every event. ``"orjson"`` (optional: ``pip install orjson``) skims the same way but decodes the picked events
+with orjson, about 3x faster than the json scanner, to the same values. ``"ijson"`` uses ``ijson.items`` where that
+package is installed. Compressed input is inflated by a read-ahead thread. ``python -m benchmarks.bench_trace``
+measures every realistic shape. Skipped events are not validated; truncation is always detected, since the last
+events and the closing bracket go through the checked parser.
 
-Standalone: standard library only (``fire`` and ``ijson`` are used when installed), nothing from the bundle, no
-torch, so it runs on a laptop next to a trace copied from a cluster::
+Standalone: standard library only (``fire`` is used when installed; ``orjson`` and ``ijson`` when installed and asked
+for), nothing from the bundle, no torch, so it runs on a laptop next to a trace copied from a cluster::
 
     python -m scripts.summarize_trace runs/profile/trace.json.gz [--format json]
     python summarize_trace.py trace.json            # the file copied anywhere
@@ -41,20 +43,23 @@ torch, so it runs on a laptop next to a trace copied from a cluster::
 from __future__ import annotations
 
 import bisect
+import contextlib
 import gzip
 import io
 import json
 import logging
+import queue
 import re
 import statistics
 import sys
+import threading
 import zipfile
 import zlib
 from array import array
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, BinaryIO, NoReturn, TextIO
+from typing import Any, BinaryIO, NoReturn
 
 logger = logging.getLogger(__name__)
 
@@ -93,18 +98,20 @@ HIP_LAUNCH_NAMES = frozenset(
     }
 )
 LAUNCH_NAMES = CUDA_LAUNCH_NAMES | HIP_LAUNCH_NAMES
-PARSERS = ("auto", "json", "ijson")
+PARSERS = ("auto", "json", "orjson", "ijson")
 
 # API-version and per-thread-stream suffixes some tracers keep: cudaLaunchKernel_v7000, cudaLaunchKernel_ptsz.
 _NAME_SUFFIX = re.compile(r"(?:_v\d+|_ptsz|_ptds|_spt)+$")
 _NON_WS = re.compile(r"[^ \t\n\r]")
 _SEPARATOR = re.compile(r"[ \t\n\r]*,[ \t\n\r]*")
-_COMMA_NEXT = re.compile(r"[ \t\n\r]*,")
-# kineto's layout: each top-level event opens with a line of two spaces and '{'. _MARKER finds the events that can
-# matter: kernels, sections, launches (over-matching is harmless: every decoded event is filtered as usual).
-_EVENT_START = "\n  {\n"
-_MARKER = re.compile(r'"(?:kernel"|__sec:|(?:cu|hip)[A-Za-z]*Launch)')
+# Literals found in every event that can matter: kernels, sections, launches (over-matching is harmless: every
+# decoded event is filtered as usual). Names written with \u escapes would be missed; no trace writer does that.
+_MARKERS = ('"kernel"', '"__sec:', "Launch")
+# the text between two events: '}', the separator, '{' and the next event's first key and colon
+_HEAD = re.compile(r'\}[ \t\n\r]*,[ \t\n\r]*\{[ \t\n\r]*(?P<key>"[^"\\]*"[ \t\n\r]*:)')
+_LEARN_EVENTS = 4  # identical heads in a row before skimming
 _CHUNK_CHARS = 1 << 20  # characters read per refill of the event scanner
+_READ_AHEAD = 4  # chunks inflated ahead of the parser
 _MAX_PENDING_CHARS = 1 << 26  # one event larger than this is treated as malformed JSON
 
 
@@ -123,23 +130,20 @@ def summarize(path: str | Path, parser: str = "auto") -> dict[str, Any]:
     path = Path(path)
     if parser not in PARSERS:
         raise TraceError(f"{path}: unknown parser {parser!r}; use one of {', '.join(PARSERS)}")
-    state = _ReadState(skim=parser == "auto")
+    collected = _Collected()
+    state = _ReadState(collected, skim=parser in ("auto", "orjson"))
+    if parser == "orjson":
+        state.fast = _accelerator(path)
     try:
         if parser == "ijson":
-            collected = _collect(_iter_events_ijson(path))
+            for event in _iter_events_ijson(path):
+                state.add(event)
+                state.decoded += 1
         else:
-            try:
-                with _open_text(path) as stream:
-                    collected = _collect(_iter_events_json(stream, path, state))
-            except (_LayoutMismatch, TraceError):
-                if not state.skimmed:  # _LayoutMismatch comes only from skimming
-                    raise
-                logger.info("%s: not in kineto's layout after all; reading every event", path)
-                state = _ReadState(skim=False)
-                with _open_text(path) as stream:
-                    collected = _collect(_iter_events_json(stream, path, state))
-            collected.events += state.skipped
-            parser = "json-skim" if state.skimmed else "json"
+            with _open_text(path) as stream:
+                _read_events_json(stream, path, state)
+            parser = ("orjson" if state.fast else "json") + ("-skim" if state.skimmed else "")
+        collected.events = state.decoded + state.skipped
     except (OSError, EOFError, zlib.error, zipfile.BadZipFile) as exc:
         raise TraceError(f"{path}: cannot read: {exc}") from exc
     if collected.events == 0:
@@ -180,7 +184,10 @@ def format_table(summary: dict[str, Any]) -> str:
 
 
 def main(trace: str, format: str = "text", parser: str = "auto") -> None:
-    """Print the per-section statistics of TRACE (.json, .json.gz or .zip) as a table (``text``) or ``json``."""
+    """Print the per-section statistics of TRACE (.json, .json.gz or .zip) as a table (``text``) or ``json``.
+
+    ``--parser``: ``auto`` (standard library, the default), ``orjson`` (the same skim, events decoded by the optional
+    orjson package: faster), ``json`` (every event decoded) or ``ijson``."""
     trace = str(trace)
     if format not in ("text", "json"):
         _fail(f"--format must be 'text' or 'json', not {format!r}")
@@ -192,6 +199,7 @@ def main(trace: str, format: str = "text", parser: str = "auto") -> None:
 
 
 def _fail(message: str) -> NoReturn:
+    """Print the message as the CLI's error and exit with status 2 (no traceback)."""
     print(f"summarize_trace: error: {message}", file=sys.stderr)
     raise SystemExit(2)
 
@@ -221,24 +229,86 @@ def _open_binary(path: Path) -> Iterator[BinaryIO]:
 
 
 @contextmanager
-def _open_text(path: Path) -> Iterator[TextIO]:
+def _open_text(path: Path) -> Iterator[io.TextIOWrapper]:
+    """The decoded text of ``path`` (a BOM dropped, bad bytes replaced); compressed input is inflated ahead in a
+    thread."""
     with _open_binary(path) as stream:
-        text = io.TextIOWrapper(stream, encoding="utf-8-sig", errors="replace", newline="")
+        ahead = None if isinstance(stream, io.BufferedReader) else _ReadAhead(stream)
+        text = io.TextIOWrapper(
+            stream if ahead is None else io.BufferedReader(ahead, _CHUNK_CHARS),
+            encoding="utf-8-sig",
+            errors="replace",
+            newline="",
+        )
         try:
             yield text
         finally:
             text.detach()
+            if ahead is not None:
+                ahead.stop()
+
+
+class _ReadAhead(io.RawIOBase):
+    """A stream's bytes, read (inflated) by a thread while the caller parses.
+
+    zlib releases the GIL, so on two cores decompression costs the parser almost nothing. At most
+    :data:`_READ_AHEAD` chunks wait; an error in the thread is raised in the reader's.
+    """
+
+    def __init__(self, stream: BinaryIO) -> None:
+        super().__init__()
+        self.chunks: queue.Queue[bytes | BaseException] = queue.Queue(_READ_AHEAD)
+        self.rest, self.done, self.halt = memoryview(b""), False, threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(stream, _CHUNK_CHARS), daemon=True)
+        self.thread.start()
+
+    def _run(self, stream: BinaryIO, size: int) -> None:
+        """Thread body: read chunks into the queue until the end, an error (queued too) or :meth:`stop`."""
+        try:
+            while not self.halt.is_set():
+                data = stream.read(size)
+                self.chunks.put(data)
+                if not data:
+                    return
+        except Exception as exc:  # handed to the reading thread, which raises it
+            self.chunks.put(exc)
+
+    def readable(self) -> bool:
+        """Always: this stream is for reading."""
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        """Copy the next bytes into ``buffer``; 0 at the end of the stream."""
+        while not self.rest and not self.done:
+            item = self.chunks.get()
+            if isinstance(item, BaseException):
+                self.done = True
+                raise item
+            self.rest, self.done = memoryview(item), not item
+        n = min(len(buffer), len(self.rest))
+        buffer[:n] = self.rest[:n]
+        self.rest = self.rest[n:]
+        return n
+
+    def stop(self) -> None:
+        """End the thread (before the stream under it is closed)."""
+        self.halt.set()
+        while self.thread.is_alive():
+            with contextlib.suppress(queue.Empty):
+                self.chunks.get(timeout=0.05)  # unblocks a thread waiting to put
+        self.thread.join()
 
 
 class _Scanner:
     """Walks a JSON text one value at a time with the C scanner of :mod:`json`, refilling a bounded buffer."""
 
-    def __init__(self, stream: TextIO, path: Path) -> None:
+    def __init__(self, stream: io.TextIOWrapper, path: Path) -> None:
         self.stream, self.path = stream, path
         self.buf, self.pos, self.base, self.eof = "", 0, 0, False
         self.scan = json.JSONDecoder().scan_once
 
     def fill(self) -> bool:
+        """Append the next chunk to the buffer (dropping the text before ``pos``); False at the end of the file."""
         if self.eof:
             return False
         data = self.stream.read(_CHUNK_CHARS)
@@ -262,6 +332,7 @@ class _Scanner:
                 return ""
 
     def expect(self, chars: str, where: str) -> str:
+        """Consume the next non-whitespace character, one of ``chars``; else a truncated/malformed error."""
         char = self.peek()
         if char == "":
             raise self.error("truncated", f"the file ends inside {where}")
@@ -294,33 +365,34 @@ class _Scanner:
                 raise self.error("truncated", f"{msg} at character {self.base + err_pos}, the end of the file")
 
     def error(self, kind: str, detail: str) -> TraceError:
+        """A :class:`TraceError` naming the file: ``truncated`` (asks whether it was still written) or malformed."""
         if kind == "truncated":
             return TraceError(f"{self.path}: truncated JSON ({detail}); was the trace still being written?")
         return TraceError(f"{self.path}: malformed JSON ({detail})")
 
 
 class _ReadState:
-    """What the event reader tells the caller besides the events: top-level keys, skipped events, mode used."""
+    """The event reader's settings and tallies: where events go, top-level keys, events decoded and skipped."""
 
-    def __init__(self, skim: bool) -> None:
-        self.skim = skim  # allowed to skip events that cannot matter (kineto layout only)
+    def __init__(self, collected: _Collected, skim: bool) -> None:
+        self.collected = collected
+        self.add = _adder(collected)  # takes one decoded event
+        self.skim = skim  # allowed to skip events that cannot matter
+        self.fast: Any = None  # the accelerator's decoder of one event's text, if any
         self.skimmed = False  # it did
-        self.skipped = 0
+        self.decoded = self.skipped = 0
         self.meta: dict[str, Any] = {}
 
 
-class _LayoutMismatch(Exception):
-    """The text looked like kineto's layout but is not; the caller starts again with the full parser."""
-
-
-def _iter_events_json(stream: TextIO, path: Path, state: _ReadState) -> Iterator[Any]:
-    """Yield the trace events one by one; top-level keys other than ``traceEvents`` go to ``state.meta``."""
+def _read_events_json(stream: io.TextIOWrapper, path: Path, state: _ReadState) -> None:
+    """Hand the trace events to ``state.add`` one by one; top-level keys other than ``traceEvents`` go to
+    ``state.meta``."""
     sc = _Scanner(stream, path)
     first = sc.peek()
     if first == "":
         raise TraceError(f"{path}: empty file (no JSON in it)")
     if first == "[":
-        yield from _iter_array(sc, state)
+        _ArrayReader(sc, state).read()
     elif first == "{":
         sc.pos += 1
         found = False
@@ -336,7 +408,7 @@ def _iter_events_json(stream: TextIO, path: Path, state: _ReadState) -> Iterator
                     if sc.peek() != "[":
                         raise TraceError(f"{path}: not a chrome trace: 'traceEvents' is not a list")
                     found = True
-                    yield from _iter_array(sc, state)
+                    _ArrayReader(sc, state).read()
                 else:
                     state.meta[key] = sc.value()
                 if sc.expect(",}", "in the top-level object") == "}":
@@ -349,99 +421,226 @@ def _iter_events_json(stream: TextIO, path: Path, state: _ReadState) -> Iterator
         raise sc.error("malformed", f"unexpected data after the JSON document at character {sc.base + sc.pos}")
 
 
-def _iter_array(sc: _Scanner, state: _ReadState) -> Iterator[Any]:
-    """Yield the values of the JSON array at the scanner's position.
+class _ArrayReader:
+    """Reads the event list: every event decoded (checked mode), or, once the text between events is known, only the
+    events that can matter (skim mode).
 
-    In kineto's layout the events are first skimmed (:func:`_skim_kineto`). The checked loop decodes value after
-    value straight from the buffer while each is followed by a comma inside it; anything else (the end of the
-    buffer, the closing bracket, an error) goes through :meth:`_Scanner.value` and :meth:`_Scanner.expect`.
+    Checked mode decodes value after value with the C scanner of :mod:`json` and checks the separators. From the
+    first events it learns the *head*: the exact text from one event's closing ``}`` through the next event's first
+    key and colon, e.g. ``},\\n  {\\n    "ph":`` in torch/kineto's layout or ``}, {"ph":`` on one line. A raw ``"``
+    never occurs inside a JSON string, so in valid JSON every occurrence of the head is structural: an object closed,
+    a comma, an object opened with that first key. Skim mode then searches the text for the literals of
+    :data:`_MARKERS` and decodes only the event around each (the one opened by the last head before the marker).
+    The events in between are counted, not decoded: a window between two heads holds as many events as heads, and
+    that is trusted only when the window also holds exactly as many of the first key (``"ph":``) and of the gap (the
+    head without its key): an event without that first key, a nested list of objects written with the same
+    separator, or the end of the list shows as a difference, and the window is then read in checked mode. A decoded
+    event must be a dict with ``ph`` that spans its marker. The last events and the closing bracket always go through
+    checked mode, so truncation and malformed endings are reported as without skimming.
     """
-    sc.expect("[", "at the start of the event list")
-    if sc.peek() == "]":
-        sc.pos += 1
-        return
-    if state.skim and _kineto_layout(sc):
-        state.skimmed = True
-        after_value = yield from _skim_kineto(sc, state)
-        if after_value is None:  # the skim reached the closing bracket
-            return
-        if after_value and sc.expect(",]", "in the traceEvents list") == "]":
-            return
-    scan, separator = sc.scan, _SEPARATOR.match
-    while True:
-        buf, pos = sc.buf, sc.pos
-        while True:
-            try:
-                obj, end = scan(buf, pos)
-            except (StopIteration, json.JSONDecodeError):
-                break
-            comma = separator(buf, end)
-            if comma is None:
-                break
-            yield obj
-            pos = comma.end()
-        sc.pos = pos
-        yield sc.value()
-        if sc.expect(",]", "in the traceEvents list") == "]":
-            return
 
+    def __init__(self, sc: _Scanner, state: _ReadState) -> None:
+        self.sc, self.state = sc, state
+        self.head = ""
+        self.same: tuple[str, ...] = ()  # texts that occur exactly once per head in a span (see _events_in)
+        self.never: tuple[str, ...] = ()  # texts that do not occur in a span
+        self.brace = 0  # index of the '{' in the head
+        self.candidate, self.agreed = "", 0
+        self.fast = state.fast  # optional accelerator: the text of one event -> the event (ValueError if not one)
 
-def _kineto_layout(sc: _Scanner) -> bool:
-    """Whether the first event opens with a line holding only two spaces and '{', as torch/kineto write it."""
-    pos = sc.pos
-    return sc.buf[pos] == "{" and sc.buf[pos - 3 : pos] == _EVENT_START[:3] and sc.buf[pos + 1 : pos + 2] == "\n"
-
-
-def _skim_kineto(sc: _Scanner, state: _ReadState) -> Iterator[Any]:
-    """Yield only the events that can matter, in kineto's layout; return where the checked parser goes on.
-
-    JSON strings hold no raw newline, so in kineto's layout a line holding only ``  {`` opens a top-level event.
-    The text is searched for :data:`_MARKER` (``"kernel"``, ``"__sec:``, a ``cu``/``hip`` launch name); only the
-    event around a marker is decoded, and it must be followed by ``,`` or ``]``, else :class:`_LayoutMismatch`.
-    Events without a marker are counted, not decoded. Returns ``None`` when the array is finished, otherwise
-    whether ``sc.pos`` is just after an event (``True``) or at the start of one (``False``); the last events and
-    the closing bracket always go through the checked parser, so truncation is reported as without skimming.
-    """
-    find, opener, scan, comma = _MARKER.search, _EVENT_START, sc.scan, _COMMA_NEXT.match
-    pos = sc.pos - 3
-    after_value = False
-    while True:
-        buf = sc.buf
-        marker = find(buf, pos)
-        if marker is None:
-            keep = buf.rfind(opener, pos)  # that event may go on in the next chunk
-            if keep >= 0:
-                state.skipped += buf.count(opener, pos, keep)
-                pos, after_value = keep, False
-            sc.pos = pos
-            if len(buf) - pos > _MAX_PENDING_CHARS or not sc.fill():
-                return after_value  # noqa: B901, RUF100 (the generator's result: where the events stopped)
-            pos = sc.pos
-            continue
-        start = buf.rfind(opener, pos, marker.start())
-        if start < 0:  # after an event comes ',' and another event (or ']', handled below): not kineto's layout
-            raise _LayoutMismatch
-        state.skipped += buf.count(opener, pos, start)
-        try:  # the common case: the event and the comma after it are in the buffer
-            event, end = scan(buf, start + 3)
-        except (StopIteration, json.JSONDecodeError):
-            end = -1
-        if end >= 0 and comma(buf, end) is not None:
-            if not isinstance(event, dict) or "ph" not in event:
-                raise _LayoutMismatch
-            yield event
-            pos, after_value = end, True
-            continue
-        sc.pos = start + 3  # at the end of the buffer, the last event, or an error: the checked path
-        event = sc.value()
-        char = sc.peek()
-        if char not in (",", "]") or not isinstance(event, dict) or "ph" not in event:
-            raise _LayoutMismatch
-        yield event
-        if char == "]":
+    def read(self) -> None:
+        """Read the event list at the scanner's position, switching between checked and skim mode."""
+        sc = self.sc
+        sc.expect("[", "at the start of the event list")
+        if sc.peek() == "]":
             sc.pos += 1
             return
-        pos, after_value = sc.pos, True
+        target = 0
+        while True:
+            q = self._checked(target)
+            if q is None:
+                return
+            self.state.skimmed = True
+            target = self._skim(q)
+            if target is None:
+                return
+
+    def _checked(self, target: int) -> int | None:
+        """Decode events (``sc.pos`` at the next one) until the list ends (returns None) or, past the absolute
+        offset ``target``, an event is followed by the learned head (returns the head's index in ``sc.buf``)."""
+        sc, scan, separator, state = self.sc, self.sc.scan, _SEPARATOR.match, self.state
+        skim, add = state.skim, state.add
+        while True:
+            sc.peek()  # the fast loop starts at a value, not at the whitespace before it
+            buf, pos = sc.buf, sc.pos
+            while True:  # events followed by a comma inside the buffer
+                try:
+                    obj, end = scan(buf, pos)
+                except (StopIteration, json.JSONDecodeError):
+                    break
+                comma = separator(buf, end)
+                if comma is None:
+                    break
+                add(obj)
+                state.decoded += 1
+                if skim and sc.base + end > target and self._at_head(buf, end - 1):
+                    sc.pos = end - 1
+                    return end - 1
+                pos = comma.end()
+            sc.pos = pos
+            add(sc.value())  # at the end of the buffer, the last event, or an error: refills and reports
+            state.decoded += 1
+            end = sc.base + sc.pos
+            if sc.expect(",]", "in the traceEvents list") == "]":
+                return None
+            at = end - 1 - sc.base
+            if skim and end > target and at >= 0 and self._at_head(sc.buf, at):
+                sc.pos = at
+                return at
+
+    def _at_head(self, buf: str, at: int) -> bool:
+        """Whether the learned head starts at ``buf[at]`` (the '}' closing an event); learns it from the first
+        events: :data:`_LEARN_EVENTS` consecutive identical heads."""
+        if self.head:
+            return buf.startswith(self.head, at)
+        match = _HEAD.match(buf, at)
+        if match is None:
+            self.candidate, self.agreed = "", 0
+            return False
+        text = match.group()
+        if text != self.candidate:
+            self.candidate, self.agreed = text, 0
+        self.agreed += 1
+        if self.agreed < _LEARN_EVENTS:
+            return False
+        self.head, self.brace = text, text.index("{")
+        space = text[2 : self.brace]  # between the comma and the '{'
+        if "\n" in space:
+            self.same, self.never = (space + "{",), ()
+        else:
+            self.same, self.never = ("," + space + "{",), tuple(dict.fromkeys(("[" + space + "{", "[{")))
+        return True
+
+    def _events_in(self, buf: str, start: int, stop: int) -> int:
+        """The events in ``buf[start:stop]`` (``start`` at a head, ``stop`` at a head or an event's end): one per
+        head, once every head there is known to sit between two events of the list; else -1.
+
+        A head is an object closed, a comma, an object opened: two elements of *some* list. A nested list would
+        show where its first object is opened: after ``[`` or after a comma that follows no object; so would an
+        event that does not open with the key. Where the separator holds a line break (pretty-printed: kineto, one
+        event a line, indented) every line-break-and-indent-then-``{`` must belong to a head; on one line, every
+        ``,{`` (with the separator's spaces) must, and no ``[{`` may occur. (A writer is assumed to separate list
+        items the same way everywhere; the event list's own opening lies before any span.)"""
+        n = buf.count(self.head, start, stop)
+        for needle in self.same:
+            if buf.count(needle, start, stop) != n:
+                return -1
+        for needle in self.never:
+            if buf.find(needle, start, stop) >= 0:
+                return -1
+        return n
+
+    def _skim(self, q: int) -> int | None:
+        """Skim from the head at ``sc.buf[q]``: decode the events around markers, count the others.
+
+        Work is settled per span (a buffer's worth, see :meth:`_read_span`): its decoded events go to the
+        collector at once (while in the cache) and are taken back unless :meth:`_events_in` vouches for the span,
+        which checked mode then reads again. Returns None at the end of the list, else the absolute offset up to
+        which checked mode must read, with ``sc.pos`` at the start of the event it goes on from."""
+        sc, brace, state = self.sc, self.brace, self.state
+        start = q
+        while True:
+            buf, mark = sc.buf, state.collected.mark()
+            q, end, m, decoded = self._read_span(buf, q)
+            n = self._events_in(buf, start, end if end > 0 else q)
+            if n < 0:  # checked mode reads the span again
+                state.collected.rollback(mark)
+                sc.pos = start + brace
+                return sc.base + max(end, q, m)
+            state.decoded += decoded
+            state.skipped += n - decoded
+            if end == -2:  # no marker left, or its event goes on in the next chunk
+                if not self._refill(q):
+                    return sc.base + len(sc.buf)  # the tail of the list, or an oversized event: checked mode
+                q = start = sc.pos
+            elif end == -1:  # not an event around the marker after all: checked mode decodes it (or reports)
+                sc.pos = q + brace
+                return sc.base + m
+            else:  # the list ends here, or the next event opens differently
+                sc.pos = end
+                if sc.expect(",]", "in the traceEvents list") == "]":
+                    return None
+                return sc.base + sc.pos
+
+    def _read_span(self, buf: str, q: int) -> tuple[int, int, int, int]:
+        """From the head at ``buf[q]``, hand the event around each marker to the collector while each is followed
+        by a head; return ``(q, end, marker, decoded)``: the head reached, how it stopped (``end > 0``: an event
+        that ends there without a head after it; -2: no marker left in ``buf``, ``q`` is then its last head, or
+        the event at ``q`` goes on in the next chunk; -1: the event at ``q`` is not a trace event around
+        ``marker``), and the number of events decoded."""
+        head, brace, scan, fast, add = self.head, self.brace, self.sc.scan, self.fast, self.state.add
+        find, rfind, startswith = buf.find, buf.rfind, buf.startswith
+        m, decoded = q, 0
+        for m in _marker_positions(buf, q):
+            if m < q:  # inside an event already decoded
+                continue
+            h = rfind(head, q, m)
+            if h < 0:
+                return q, -1, m, decoded
+            end = 0
+            if fast is not None and (stop := find(head, m)) >= 0:
+                try:  # the accelerator takes the text up to the next head, which must be exactly one value
+                    event, end = fast(buf[h + brace : stop + 1]), stop + 1
+                except ValueError:  # not one value, or one it refuses: the json scanner decides
+                    end = 0
+            if not end:
+                try:
+                    event, end = scan(buf, h + brace)
+                except (StopIteration, json.JSONDecodeError):
+                    return h, -2 if find(head, m) < 0 and not self.sc.eof else -1, m, decoded
+            if end <= m or not isinstance(event, dict) or "ph" not in event:
+                return h, -1, m, decoded
+            add(event)
+            decoded += 1
+            if not startswith(head, end - 1):
+                return h, end, m, decoded
+            q = end - 1
+        last = rfind(head, q + 1)
+        return max(last, q), -2, m, decoded
+
+    def _refill(self, q: int) -> bool:
+        """Read on, keeping the text from ``q``; False (``sc.pos`` at the event after ``q``) at the end of the file
+        or when one event would outgrow :data:`_MAX_PENDING_CHARS`: checked mode takes over there."""
+        sc = self.sc
+        sc.pos = q
+        if len(sc.buf) - q > _MAX_PENDING_CHARS or not sc.fill():
+            sc.pos = q + self.brace
+            return False
+        return True
+
+
+def _marker_positions(buf: str, start: int) -> list[int]:
+    """Where the literals of :data:`_MARKERS` occur in ``buf`` from ``start`` on, in order."""
+    hits: list[int] = []
+    find, append = buf.find, hits.append
+    for literal in _MARKERS:
+        at = find(literal, start)
+        while at >= 0:
+            append(at)
+            at = find(literal, at + 1)
+    hits.sort()
+    return hits
+
+
+def _accelerator(path: Path) -> Any:
+    """``orjson.loads``, the optional accelerator: it decodes the events that skimming picks about 3x faster than
+    the :mod:`json` scanner, to the same values (a text it refuses, e.g. an integer beyond 64 bits or ``NaN``, goes
+    to the :mod:`json` scanner instead)."""
+    try:
+        import orjson
+    except ImportError as exc:
+        raise TraceError(f"{path}: parser='orjson' needs the orjson package (pip install orjson)") from exc
+    return orjson.loads
 
 
 def _iter_events_ijson(path: Path) -> Iterator[Any]:
@@ -471,7 +670,8 @@ def _iter_events_ijson(path: Path) -> Iterator[Any]:
 
 # ---------------------------------------------------------------------------------------------------------- analysis
 class _Collected:
-    """What one pass keeps: section ranges, and compact arrays for launches and kernels."""
+    """What one pass keeps: section ranges, and compact arrays for launches and kernels. What was added after a
+    :meth:`mark` can be taken back (:meth:`rollback`)."""
 
     def __init__(self) -> None:
         self.events = 0
@@ -480,27 +680,40 @@ class _Collected:
         self.launch_thread, self.launch_ts, self.launch_corr = array("i"), array("d"), array("q")
         self.kernel_corr, self.kernel_start, self.kernel_end = array("q"), array("d"), array("d")
 
+    def mark(self) -> tuple[int, int, int]:
+        """Where the ranges, launches and kernels end now."""
+        return len(self.ranges), len(self.launch_ts), len(self.kernel_corr)
+
+    def rollback(self, mark: tuple[int, int, int]) -> None:
+        """Drop what was added after ``mark`` (thread indices stay: unused ones are harmless)."""
+        ranges, launches, kernels = mark
+        del self.ranges[ranges:]
+        for column in (self.launch_thread, self.launch_ts, self.launch_corr):
+            del column[launches:]
+        for column in (self.kernel_corr, self.kernel_start, self.kernel_end):
+            del column[kernels:]
+
 
 def _is_launch_name(name: str, cache: dict[str, bool]) -> bool:
+    """Whether ``name`` is a launch once API-version and stream suffixes are dropped (cached per name)."""
     known = cache.get(name)
     if known is None:
         known = cache[name] = _NAME_SUFFIX.sub("", name) in LAUNCH_NAMES
     return known
 
 
-def _collect(events: Iterable[Any]) -> _Collected:
-    """One pass over the events, keeping only what :func:`_resolve` needs."""
-    out = _Collected()
+def _adder(out: _Collected) -> Callable[[Any], None]:
+    """A function that keeps what :func:`_resolve` needs from one decoded event (ignoring any other event)."""
     ranges, threads = out.ranges, out.threads
     l_thread, l_ts, l_corr = out.launch_thread.append, out.launch_ts.append, out.launch_corr.append
     k_corr, k_start, k_end = out.kernel_corr.append, out.kernel_start.append, out.kernel_end.append
     launch_names, name_cache, prefix, n_prefix = LAUNCH_NAMES, {}, SECTION_PREFIX, len(SECTION_PREFIX)
-    count = 0
-    for ev in events:
-        count += 1
+
+    def add(ev: Any) -> None:
+        """Keep a kernel's (correlation, start, end), a launch's (thread, ts, correlation) or a section range."""
         try:
             if ev.get("ph") != "X":
-                continue
+                return
             name = ev.get("name")
             if ev.get("cat") == "kernel":
                 corr = int(ev["args"]["correlation"])
@@ -528,9 +741,9 @@ def _collect(events: Iterable[Any]) -> _Collected:
                     index = threads[key] = len(threads)
                 ranges.append((name[n_prefix:], index, float(ev["ts"]), float(ev["dur"])))
         except (AttributeError, KeyError, TypeError, ValueError, OverflowError):
-            continue  # not an event of interest, or one without the fields it needs
-    out.events = count
-    return out
+            return  # not an event of interest, or one without the fields it needs
+
+    return add
 
 
 def _resolve(c: _Collected) -> tuple[dict[str, list[float]], dict[str, str]]:
@@ -611,6 +824,7 @@ def _owner_lookup(launched: array, owner: array) -> Any:
                 extra.setdefault(corr, []).append(rid)
 
         def lookup(corr: int) -> Any:
+            """Range ids whose launches carry ``corr`` (table-indexed)."""
             index = corr - low
             if index < 0 or index > high - low or table[index] < 0:
                 return none
@@ -625,6 +839,7 @@ def _owner_lookup(launched: array, owner: array) -> Any:
             first[corr] = rid
 
     def lookup_sparse(corr: int) -> Any:
+        """Range ids whose launches carry ``corr`` (dict-indexed)."""
         rid = first.get(corr)
         if rid is None:
             return none
@@ -646,17 +861,20 @@ def _stats(values_us: list[float]) -> dict[str, Any]:
 
 
 def _ordered(names: Iterable[str]) -> list[str]:
+    """Section names in :data:`SECTION_ORDER`, the others after them alphabetically."""
     rank = {name: i for i, name in enumerate(SECTION_ORDER)}
     return sorted(names, key=lambda name: (rank.get(name, len(rank)), name))
 
 
 def _device_names(properties: Any) -> list[str]:
+    """The GPU names in the trace's ``deviceProperties`` (none when absent or malformed)."""
     if not isinstance(properties, list):
         return []
     return [str(p["name"]) for p in properties if isinstance(p, dict) and "name" in p]
 
 
 def _cli() -> None:
+    """The command line: fire where installed, else the same options through argparse."""
     try:
         import fire
     except ImportError:  # a laptop without fire: the same interface through argparse

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 import zipfile
 from pathlib import Path
@@ -125,10 +126,45 @@ def kineto_text(trace):
     return "{\n" + head + '  "traceEvents": [\n' + body + "\n  ],\n" + tail + "}\n"
 
 
+LAYOUTS = ["kineto", "compact", "indented", "lines", "sorted"]
+
+
+def lines_text(trace):
+    """One event per line, as many tools re-save traces."""
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    body = "[\n" + ",\n".join(json.dumps(ev) for ev in events) + "\n]"
+    if isinstance(trace, list):
+        return body + "\n"
+    rest = {k: v for k, v in trace.items() if k != "traceEvents"}
+    return '{"traceEvents": ' + body + "".join(f", {json.dumps(k)}: {json.dumps(v)}" for k, v in rest.items()) + "}\n"
+
+
 def write(path, trace, layout="kineto"):
-    text = kineto_text(trace) if layout == "kineto" else json.dumps(trace, indent=None if layout == "compact" else 2)
+    """The trace as torch writes it (kineto), on one line (compact), indented, one event a line, or sorted keys."""
+    if layout == "kineto":
+        text = kineto_text(trace)
+    elif layout == "lines":
+        text = lines_text(trace)
+    else:
+        text = json.dumps(
+            trace, indent={"compact": None, "indented": 2, "sorted": 1}[layout], sort_keys=layout == "sorted"
+        )
     path.write_text(text)
     return path
+
+
+def has(module):
+    try:
+        __import__(module)
+    except ImportError:
+        return False
+    return True
+
+
+def needs(parser):
+    """Skip where the parser's optional package is not installed."""
+    if parser in ("orjson", "ijson") and not has(parser):
+        pytest.skip(f"the optional {parser} package is not installed")
 
 
 def check(sections, expected):
@@ -249,18 +285,17 @@ def test_cpu_only_trace_falls_back_to_range_durations(tmp_path):
     assert summary["launches"] == summary["kernels"] == 0
 
 
-@pytest.mark.parametrize("layout", ["kineto", "compact", "indented"])
-@pytest.mark.parametrize("parser", ["auto", "json", "ijson"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("parser", ["auto", "json", "orjson", "ijson"])
 def test_every_layout_and_parser_gives_the_same_answer(tmp_path, layout, parser):
-    if parser == "ijson":
-        pytest.importorskip("ijson")
+    needs(parser)
     trace = make_trace(HIP_LAUNCHES)
     summary = st.summarize(write(tmp_path / "trace.json", trace, layout), parser=parser)
     check(summary["sections"], EXPECTED_KERNELS)
     check(summary["sections"], EXPECTED_CPU)
     assert summary["events"] == len(trace["traceEvents"])
-    if parser == "auto":
-        assert summary["parser"] == ("json-skim" if layout == "kineto" else "json")
+    if parser in ("auto", "orjson"):  # skimming works whatever the layout
+        assert summary["parser"] == ("json" if parser == "auto" else "orjson") + "-skim"
 
 
 def test_bare_event_list_is_accepted(tmp_path):
@@ -289,20 +324,93 @@ def test_reading_in_small_chunks_gives_the_same_answer(tmp_path, monkeypatch, ch
         assert summary["events"] == len(make_trace()["traceEvents"])
 
 
-@pytest.mark.parametrize("chunk", [16, 1 << 20])
-def test_text_that_only_looks_like_kinetos_layout_is_read_in_full(tmp_path, monkeypatch, chunk):
-    # a nested object on a line of its own at the events' indentation, holding a marker: skimming would decode the
-    # nested object as if it were an event, so it must notice and start again with the full parser
+# Text that skimming must not miscount or misread: each is put among the events of make_trace()
+ODDITIES = {
+    # objects in a list inside an event, the second written exactly like an event (on one line: the head itself)
+    "nested-like-events": {
+        "ph": "X",
+        "cat": "cpu_op",
+        "name": "aten::mm",
+        "pid": PID,
+        "tid": TID,
+        "ts": 1,
+        "dur": 1,
+        "args": {"inputs": [{"x": 1}, {"ph": "X", "cat": "kernel", "ts": 0, "dur": 9e9, "args": {"correlation": 1}}]},
+    },
+    "nested-after-a-number": {"ph": "i", "name": "x", "ts": 1, "args": {"l": [1, {"x": 1}, {"ph": "X", "k": 2}]}},
+    "no-ph": {"name": "__sec:forward", "cat": "kernel", "ts": 0, "dur": 1, "args": {"correlation": 2}},  # not an event
+    "no-ph-no-marker": {"name": "aten::mm", "ts": 0, "dur": 1},
+    "ph-not-first": {"name": "__sec:forward", "ph": "X", "pid": PID, "tid": TID, "ts": 40000, "dur": 7},
+    "ph-not-first-no-marker": {"name": "aten::mm", "ph": "X", "pid": PID, "tid": TID, "ts": 40000, "dur": 7},
+    "nested-ph": {"ph": "i", "name": "marker", "pid": PID, "tid": TID, "ts": 1, "args": {"ph": "X", "k": "kernel"}},
+    "strings": {"ph": "i", "name": '}, {"ph": "X", "cat": "kernel"} __sec:step cudaLaunchKernel \u00e9', "ts": 1},
+}
+
+
+@pytest.mark.parametrize("layout", ["kineto", "compact", "lines"])
+@pytest.mark.parametrize("oddity", list(ODDITIES))
+@pytest.mark.parametrize("chunk", [97, 1 << 20])
+def test_skimming_agrees_with_decoding_every_event_around_odd_text(tmp_path, monkeypatch, layout, oddity, chunk):
     trace = make_trace()
-    text = kineto_text(trace).replace(
-        '    "name": "aten::mm"', '    "odd":\n  {\n    "x": "kernel"\n  },\n    "name": "aten::mm"', 1
-    )
-    path = tmp_path / "trace.json"
-    path.write_text(text)
+    events = trace["traceEvents"]
+    for at in (len(events) - 1, len(events) // 2, 1):  # near the end, in the middle, near the start
+        events.insert(at, ODDITIES[oddity])
+    path = write(tmp_path / "trace.json", trace, layout)
     monkeypatch.setattr(st, "_CHUNK_CHARS", chunk)
-    summary = st.summarize(path)
-    assert summary["parser"] == "json"
-    check(summary["sections"], EXPECTED_KERNELS)
+    full = st.summarize(path, parser="json")
+    assert full["events"] == len(events)
+    for parser in ("auto", "orjson"):
+        if parser == "orjson" and not has("orjson"):
+            continue
+        got = st.summarize(path, parser=parser)
+        assert got["parser"] == parser.replace("auto", "json") + "-skim"
+        assert {**got, "parser": ""} == {**full, "parser": ""}, parser
+
+
+@pytest.mark.parametrize("layout", ["compact", "indented"])
+def test_events_after_the_list_are_not_counted(tmp_path, layout):
+    # another list of event-like objects after traceEvents, markers and all: top-level data, not events
+    trace = make_trace()
+    trace["otherEvents"] = [kernel(0, 9e9, 1), launch("cudaLaunchKernel", 1, 1), kernel(0, 9e9, 2)]
+    trace["traceName"] = "__sec:forward"
+    path = write(tmp_path / "trace.json", trace, layout)
+    for parser in ("auto", "json"):
+        summary = st.summarize(path, parser=parser)
+        assert summary["events"] == len(trace["traceEvents"]), parser
+        check(summary["sections"], EXPECTED_KERNELS)
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 4096])
+def test_raw_utf8_text_and_a_bom_split_across_chunks(tmp_path, monkeypatch, chunk):
+    # chunks of 1 and 5 split multi-byte characters in the gzip read-ahead; skimming needs chunks longer than events
+    trace = make_trace()
+    events = trace["traceEvents"]
+    for i, ev in enumerate(events):
+        if ev.get("cat") == "cpu_op" and i % 3 == 0:
+            ev["name"] = "aten::mm_ünïcødé_操作"  # multi-byte characters in skipped and decoded text alike
+        if ev.get("cat") == "kernel":
+            ev["name"] = "void k<ε>()"
+    text = "\ufeff" + "[\n" + ",\n".join(json.dumps(ev, ensure_ascii=False) for ev in events) + "\n]\n"
+    plain, packed = tmp_path / "trace.json", tmp_path / "trace.json.gz"
+    plain.write_bytes(text.encode("utf-8"))
+    packed.write_bytes(gzip.compress(text.encode("utf-8")))
+    monkeypatch.setattr(st, "_CHUNK_CHARS", chunk)
+    full = st.summarize(plain, parser="json")
+    for path in (plain, packed):
+        skim = st.summarize(path)
+        assert skim["parser"] == ("json-skim" if chunk > 1000 else "json")
+        assert {**skim, "parser": "", "trace": ""} == {**full, "parser": "", "trace": ""}
+        check(skim["sections"], EXPECTED_KERNELS)
+
+
+def test_a_failure_early_in_a_compressed_trace_stops_the_read_ahead_thread(tmp_path):
+    path = tmp_path / "trace.json.gz"
+    body = kineto_text(make_trace())
+    path.write_bytes(gzip.compress(('{"traceEvents": [{"ph": "X"} {' + body * 200).encode()))  # malformed at once
+    before = threading.active_count()
+    with pytest.raises(st.TraceError, match="malformed"):
+        st.summarize(path)
+    assert threading.active_count() == before
 
 
 def test_json_gz_and_zip_inputs_give_identical_results(tmp_path):
@@ -433,10 +541,10 @@ def test_module_is_standalone_no_torch_no_bundle_imports(tmp_path):
     result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
-    # every import statement names a standard-library module (fire and ijson are imported only where optional)
+    # every import statement names a standard-library module (fire, ijson, orjson are imported only where optional)
     import ast
 
-    allowed_optional = {"fire", "ijson", "argparse"}
+    allowed_optional = {"fire", "ijson", "orjson", "argparse"}
     for node in ast.walk(ast.parse(MODULE.read_text())):
         names = []
         if isinstance(node, ast.Import):
