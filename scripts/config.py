@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from scripts.labels import COLLECTION, LabelError, check_labels
@@ -54,11 +55,16 @@ def check_config(
 
 
 def check_roi_size(roi_size: Sequence[int]) -> None:
-    """SwinUNETR halves the patch five times: each side must be a multiple of 32 (and >= 64, see below)."""
+    """SwinUNETR halves the patch five times: each side must be a multiple of 32, and the bottleneck (side / 32 on
+    each axis) must hold more than one voxel, or instance norm has nothing to normalise: [64, 64, 32] is the
+    smallest patch it trains on, [32, 32, 32] fails."""
     roi = [int(r) for r in roi_size]
-    if len(roi) != 3 or any(r % 32 or r < 64 for r in roi):
-        fixed = [max(64, 32 * round(r / 32)) for r in roi] if len(roi) == 3 else [96, 96, 96]
+    if len(roi) != 3 or any(r % 32 or r < 32 for r in roi) or math.prod(r // 32 for r in roi) < 2:
+        fixed = [max(32, 32 * round(r / 32)) for r in roi] if len(roi) == 3 else [96, 96, 96]
+        if math.prod(r // 32 for r in fixed) < 2:
+            fixed = [max(64, r) for r in fixed]
         raise ConfigError(
-            f"roi_size={roi}: each side must be a multiple of 32 and at least 64 (SwinUNETR downsamples by 32; at 32 "
-            f'the bottleneck is a single voxel and instance norm fails). Try --roi_size "{fixed}".'
+            f"roi_size={roi}: each side must be a multiple of 32, with more than one voxel left after SwinUNETR's five "
+            f"halvings (at 32x32x32 the bottleneck is a single voxel and instance norm fails). "
+            f'Try --roi_size "{fixed}".'
         )
