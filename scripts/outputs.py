@@ -7,10 +7,12 @@
   series: ``<case>_seg.dcm`` (DICOM SEG), ``<case>_rtstruct.dcm`` (RTSTRUCT, for treatment-planning systems) and
   ``<case>_sr.dcm`` (a TID 1500 measurement report referencing the SEG). ``<output_dir>/report.csv`` gets one row
   per case and structure. A case's files are written into a hidden folder and moved into place together: a case that
-  fails while writing leaves nothing half-written, and its outputs from an earlier run stay as they were.
+  fails while writing leaves nothing half-written, and its outputs from an earlier run stay as they were. Given
+  ``models`` (:meth:`scripts.ensemble.Models.record`: the weight files with their SHA-256, TTA, post-processing), the
+  DICOM SEG carries them as its algorithm's parameters and the tumour report as ``models``.
 * :class:`InferenceSummary` completes ``inference_report.json`` (written by :func:`scripts.inputs.find_inputs`)
-  case by case -- ``done`` with its files and seconds, or ``failed`` with the stage and the reason -- and prints one
-  line at the end.
+  case by case -- ``done`` with its files and seconds, or ``failed`` with the stage and the reason -- records the
+  ``models`` used, and prints one line at the end.
 * :func:`exit_on_failures` ends the command with status 1 when any case failed (the others are written), the
   convention of ``scripts.tcia``'s downloader.
 """
@@ -64,6 +66,7 @@ class SaveCased(MapTransform):
         write_rtstruct: bool = False,
         write_sr: bool = False,
         write_report: bool = False,
+        models: Mapping[str, str] | None = None,
     ) -> None:
         super().__init__(keys, allow_missing_keys)
         self.enabled = enabled
@@ -72,7 +75,10 @@ class SaveCased(MapTransform):
         self.write_seg, self.write_rtstruct, self.write_sr = write_seg, write_rtstruct, write_sr
         self.write_report = write_report
         self.version = str(algorithm_version)
+        self.models = dict(models) if models else None
         self.algorithm = algorithm_identification(algorithm_version)
+        if self.models:  # which weights (and TTA, post-processing) made the segmentation, as DICOM records it
+            self.algorithm[0].AlgorithmParameters = ",".join(f"{k}={v}" for k, v in self.models.items())
 
     def __call__(self, data: Mapping[Hashable, Any]) -> dict:
         d = dict(data)
@@ -122,8 +128,10 @@ class SaveCased(MapTransform):
         and as a three-plane picture."""
         hu = original_hu(d["source_path"], d.get("source", "dicom"), labels.shape)
         report = tumour_report(labels, hu, affine, self.labels)
-        files["report"] = str(write_report(report, case_id, folder, input=display_name(str(d["source_path"])),
-                                           model_version=self.version))  # fmt: skip
+        context = {"input": display_name(str(d["source_path"])), "model_version": self.version}
+        if self.models:
+            context["models"] = self.models
+        files["report"] = str(write_report(report, case_id, folder, **context))
         picture = render_planes(hu, labels, affine, title=f"{case_id}: {', '.join(self.labels)}")
         files["picture"] = str(folder / f"{case_id}_report.png")
         Path(files["picture"]).write_bytes(png_bytes(picture))
@@ -156,8 +164,9 @@ class InferenceSummary:
     """Evaluator handler: each case's outcome into ``inference_report.json``, and one line at the end (cases done
     and failed, seconds per case, output folder)."""
 
-    def __init__(self, output_dir: str | Path) -> None:
+    def __init__(self, output_dir: str | Path, models: Mapping[str, str] | None = None) -> None:
         self.output_dir = Path(output_dir)
+        self.models = dict(models) if models else None
         self.report: dict = {}
         self._start = self._case_start = 0.0
 
@@ -170,6 +179,8 @@ class InferenceSummary:
     def _started(self, engine: Engine) -> None:
         path = self.output_dir / REPORT
         self.report = json.loads(path.read_text()) if path.is_file() else {"cases": [], "skipped": []}
+        if self.models:
+            self.report["models"] = self.models
         self._start = time.perf_counter()
 
     def _case_started(self, engine: Engine) -> None:
