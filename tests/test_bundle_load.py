@@ -38,7 +38,7 @@ def network_of(config_names: list[str]) -> torch.nn.Module:
 def bundle(tmp_path_factory):
     """``<bundle_dir>/nsclc_swinunetr/``: the bundle's configs, random-initialised demo weights as models/model.pt
     and their export models/model.ts (MONAI's ckpt_export, as the README runs it); the eager network's output on a
-    patch."""
+    batch of patches."""
     from monai.bundle import ckpt_export
 
     bundle_dir = tmp_path_factory.mktemp("bundles")
@@ -53,7 +53,8 @@ def bundle(tmp_path_factory):
                 "model.pt"), meta_file=str(ROOT / "configs" / "metadata.json"),
                 config_file=[str(ROOT / "configs" / n) for n in [*DEMO, "inference.yaml"]], bundle_root=str(ROOT),
                 use_trace=True, input_shape=[1, 1, 64, 64, 64], converter_kwargs={"check_trace": False})  # fmt: skip
-    patch = torch.rand(1, 1, 64, 64, 64, generator=torch.Generator().manual_seed(0))
+    # two patches in a batch, as the sliding window sends them (sw_batch_size): traced on one, it takes any number
+    patch = torch.rand(2, 1, 64, 64, 64, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         expected = eager(patch)
     return bundle_dir, eager, patch, expected
