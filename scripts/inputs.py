@@ -22,6 +22,7 @@ import pydicom
 import torch
 from monai.data import Dataset, MetaTensor
 from monai.transforms import MapTransform, apply_transform
+from monai.utils import MetaKeys
 from pydicom.errors import InvalidDicomError
 from scripts.dicom import DicomCaseError, read_ct_series, scan_ct_series
 from scripts.dicom.ct import CT_IMAGE_STORAGE, ENHANCED_CT_STORAGE
@@ -154,7 +155,9 @@ def root_message(error: BaseException) -> str:
 
 
 def load_case(path: str | Path, source: str) -> MetaTensor:
-    """A ``[1, X, Y, Z]`` float32 MetaTensor (HU) with its RAS affine, from a CT series folder or a NIfTI file."""
+    """A ``[1, X, Y, Z]`` float32 MetaTensor (HU) with its RAS affine, from a CT series folder or a NIfTI file. Its
+    metadata says the channel is first (``original_channel_dim`` 0, MONAI's key), so ``EnsureChannelFirstd`` in the
+    inference preprocessing leaves it as it is (and adds the channel to MONAI Deploy's channel-less volumes)."""
     path = Path(path)
     if source == "dicom":
         ct = read_ct_series(path)
@@ -167,6 +170,7 @@ def load_case(path: str | Path, source: str) -> MetaTensor:
         if array.ndim != 3:
             raise InferenceInputError(f"{path}: image of shape {array.shape}; a 3D CT volume is needed.")
     meta = {"filename_or_obj": str(path), "source": source, "original_affine": torch.as_tensor(affine)}
+    meta[MetaKeys.ORIGINAL_CHANNEL_DIM] = 0  # the channel is first
     return MetaTensor(torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))[None], affine=affine, meta=meta)
 
 
