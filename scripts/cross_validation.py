@@ -194,7 +194,7 @@ def make_plan(config_file: str | Sequence[str], output_dir: str | None, override
         datalist_file=Path(parser.get_parsed_content("datalist_file")),
         max_epochs=int(parser.get_parsed_content("max_epochs")),
         labels=list(parser.get_parsed_content("labels")),
-        keep=max(int(parser.get_parsed_content("keep_largest_components")), 1),
+        keep=max(int(parser.get_parsed_content("keep_largest_components") or 1), 1),
         pictures=int(overrides.get("eval_pictures", 5)),
         parser=parser,
     )

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from monai.transforms import KeepLargestConnectedComponentd
 from scripts.weights import load_weights
 
 logger = logging.getLogger(__name__)
@@ -46,9 +47,29 @@ class Models:
     paths: tuple[Path, ...]
     keep_largest_components: int | None = None
 
-    def chosen_postprocessing(self, default: int) -> int:
-        """``keep_largest_components`` as the ensemble's ``model.json`` decided it, else ``default``."""
-        return int(default) if self.keep_largest_components is None else int(self.keep_largest_components)
+    def components_kept(self, explicit: int | None = None) -> int:
+        """The ``keep_largest_components`` in force: ``explicit`` (the config's, when given), else what the
+        ensemble's ``model.json`` chose, else 1."""
+        if explicit is not None:
+            return int(explicit)
+        return 1 if self.keep_largest_components is None else int(self.keep_largest_components)
+
+    def postprocessing(self, transforms: Sequence, explicit: int | None = None) -> list:
+        """``transforms`` (train.yaml's ``inverse_postprocessing``, built with ``explicit`` or 1 components and ending
+        with its largest-component step) keeping :meth:`components_kept` components instead.
+
+        The steps MONAI Deploy builds from ``models/model.ts`` stay MONAI-only: only the evaluator's copy of the last
+        step learns what a cross-validated ensemble chose."""
+        *head, last = transforms
+        if not isinstance(last, KeepLargestConnectedComponentd):
+            raise TypeError(f"the post-processing's last step is {type(last).__name__}, not the largest-component one.")
+        kept = self.components_kept(explicit)
+        if explicit is not None or kept == 1:
+            return list(transforms)
+        step = copy.deepcopy(last)
+        step.converter.num_components = max(kept, 1)
+        step.converter.applied_labels = step.converter.applied_labels if kept > 0 else ()
+        return [*head, step]
 
     def record(self, tta_axes: Sequence[int] | None, keep_largest_components: int) -> dict[str, str]:
         """What made a prediction, for the DICOM SEG's algorithm parameters and the reports: each weight file with

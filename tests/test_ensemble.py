@@ -137,17 +137,42 @@ def test_folds_are_found_in_fold_order_with_the_chosen_postprocessing(tmp_path):
         save(tiny_net(k), tmp_path / f"fold_{k}" / "model.pt")
     (tmp_path / "fold_x").mkdir()
     assert [p.parent.name for p in find_models("m.pt", tmp_path).paths] == ["fold_0", "fold_2", "fold_10"]
-    assert find_models("m.pt", tmp_path).chosen_postprocessing(default=1) == 1, "no decision recorded: the default"
+    assert find_models("m.pt", tmp_path).components_kept() == 1, "no decision recorded: the default"
     (tmp_path / "model.json").write_text(json.dumps({"labels": ["GTV-1"], "keep_largest_components": 0,
                                                      "models": [{"path": "fold_2/model.pt"}]}))  # fmt: skip
     models = find_models("m.pt", [str(tmp_path), tmp_path / "fold_0" / "model.pt"], ["GTV-1"])
     assert models.paths == (tmp_path / "fold_2" / "model.pt", tmp_path / "fold_0" / "model.pt")
-    assert models.chosen_postprocessing(default=1) == 0
+    assert models.components_kept() == 0 and models.components_kept(explicit=2) == 2, "the config's value wins"
     with pytest.raises(ValueError, match="labels"):
         find_models("m.pt", tmp_path, ["Heart"])
     with pytest.raises(ValueError, match=r"no fold_<k>/model\.pt"):
         find_models("m.pt", tmp_path / "fold_x")
     assert find_models("m.pt", None).paths == (Path("m.pt"),)
+
+
+def test_the_chosen_components_change_only_the_evaluators_copy_of_the_last_step():
+    from monai.transforms import AsDiscreted, KeepLargestConnectedComponentd
+
+    largest = KeepLargestConnectedComponentd(keys="pred", applied_labels=[1], num_components=1, independent=True)
+    base = [AsDiscreted(keys="pred", argmax=True), largest]
+    logits = torch.zeros(2, 8, 8, 8)
+    logits[1, 1:3, 1:3, 1:3] = logits[1, 5:8, 5:8, 5:8] = 1.0  # two tumour pieces: 8 and 27 voxels
+    tumour = {"raw": 35, "largest": 27, "two largest": 35}
+
+    def voxels(transforms) -> int:
+        data = {"pred": logits.clone()}
+        for t in transforms:
+            data = t(data)
+        return int((data["pred"] == 1).sum())
+
+    assert voxels(base) == tumour["largest"]
+    raw = Models((Path("a.pt"),), keep_largest_components=0)
+    assert voxels(raw.postprocessing(base)) == tumour["raw"], "the ensemble chose the raw argmax"
+    assert voxels(Models((Path("a.pt"),), 2).postprocessing(base)) == tumour["two largest"]
+    assert raw.postprocessing(base, explicit=1) == base, "a value given in the config wins (base was built with it)"
+    assert voxels(base) == tumour["largest"] and base[-1].converter.num_components == 1, "MONAI Deploy's list untouched"
+    with pytest.raises(TypeError, match="largest-component"):
+        raw.postprocessing(base[:1])
 
 
 def test_the_record_names_each_file_with_its_hash_and_no_dicom_separators(tmp_path):

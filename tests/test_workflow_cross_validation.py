@@ -164,12 +164,18 @@ def test_ensemble_inference_equals_the_mean_of_the_single_model_probabilities(en
 def test_inference_applies_the_chosen_postprocessing_unless_overridden(ensemble_inference, cross_validated):
     from monai.bundle import ConfigWorkflow
 
+    def last_step(workflow, id_="trained_postprocessing") -> tuple[int, tuple]:
+        step = workflow.parser.get_parsed_content(id_)[-1].converter
+        return step.num_components, tuple(step.applied_labels)
+
     chosen = json.loads((cross_validated["cv"] / "model.json").read_text())["keep_largest_components"]
-    assert ensemble_inference["workflow"].parser.get_parsed_content("keep_largest_components") == chosen
+    assert last_step(ensemble_inference["workflow"]) == ((1, (1,)) if chosen else (1, ()))
     explicit = ConfigWorkflow(config_file=INFERENCE, workflow_type=None,
                               bundle_root=str(ROOT), model_paths=str(cross_validated["cv"]),
                               keep_largest_components=2)  # fmt: skip
-    assert explicit.parser.get_parsed_content("keep_largest_components") == 2
+    assert last_step(explicit) == (2, (1,)), "--keep_largest_components wins over the folder's choice"
+    deploy = explicit.parser.get_parsed_content("postprocessing").transforms[-1].converter
+    assert deploy.num_components == 2, "MONAI Deploy's postprocessing id reads the config's value, never the folder"
 
 
 def test_the_dicom_seg_and_the_report_name_the_models_used(ensemble_inference, cross_validated):
