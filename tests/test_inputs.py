@@ -43,7 +43,7 @@ def test_no_usable_input_is_an_error_that_names_the_folder(tmp_path):
         find_inputs(tmp_path / "missing")
 
 
-def test_a_series_with_a_missing_slice_is_skipped_with_the_reason(small_cases, tmp_path):
+def test_a_series_with_a_missing_slice_fails_its_check_with_the_reason_and_the_others_run(small_cases, tmp_path):
     tcia_tree(small_cases, tmp_path, [("P1", "1"), ("P2", "1")])
     from scripts.dicom import scan_ct_series
 
@@ -52,4 +52,7 @@ def test_a_series_with_a_missing_slice_is_skipped_with_the_reason(small_cases, t
     cases = find_inputs(tmp_path, report_dir=tmp_path / "out")
     assert [c["case_id"] for c in cases] == ["P1"]
     report = json.loads((tmp_path / "out" / "inference_report.json").read_text())
-    assert "missing slice" in report["skipped"][0]["reason"]
+    (failed,) = [c for c in report["cases"] if c["status"] == "failed"]
+    assert failed["case_id"] == "P2" and failed["stage"] == "check"
+    assert "missing slice" in failed["reason"] and "download the series again" in failed["reason"]
+    assert report["skipped"] == [], "a broken series is a failed case, not an input that is no case"
