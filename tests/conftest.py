@@ -102,7 +102,7 @@ def train_workflow(configs_: list[str], demo_tmp: Path, output_dir: Path, workfl
 
 @pytest.fixture(scope="session")
 def demo_run(tmp_path_factory, root):
-    """The demo exactly as a user runs it from the bundle root (10 cases, 10 epochs), only its folders moved to a
+    """The demo exactly as a user runs it from the bundle root (10 cases, 8 epochs), only its folders moved to a
     temporary place."""
     tmp = tmp_path_factory.mktemp("demo")
     model_zoo_weights = root / "models" / "model.pt"

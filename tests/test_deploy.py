@@ -56,7 +56,8 @@ def deployed(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("deploy")
     torch.manual_seed(0)
-    network = bundle_parser().get_parsed_content("network_def")
+    parser = bundle_parser()
+    network = parser.get_parsed_content("network_def")
     weights = tmp / "models" / "model.pt"
     weights.parent.mkdir()
     torch.save(network.state_dict(), weights)
@@ -64,7 +65,8 @@ def deployed(tmp_path_factory):
     # MONAI's export, as the README runs it (the trace's own re-run check is left out: the comparison below is it)
     ckpt_export("network_def", filepath=str(tmp / "models" / "model.ts"), ckpt_file=str(weights),
                 meta_file=str(ROOT / "configs" / "metadata.json"), config_file=DEMO_INFERENCE, bundle_root=str(ROOT),
-                use_trace=True, input_shape=[1, 1, 64, 64, 64], converter_kwargs={"check_trace": False})  # fmt: skip
+                use_trace=True, input_shape=[1, 1, *parser.get_parsed_content("roi_size")],
+                converter_kwargs={"check_trace": False})  # fmt: skip
     truth = write_case(tmp / "cases", "P1", seed=1, shape=(64, 64, 24), pixel_spacing=(2.0, 2.0))
 
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # nothing of the bundle on the path
@@ -99,7 +101,7 @@ def test_deploy_builds_the_bundle_ids_from_model_ts_alone(deployed):
     parser = bundle_parser()
     assert built["scripts_importable"] is False
     assert built["inferer"] == "monai.inferers.inferer.SlidingWindowInferer"
-    assert built["roi_size"] == parser.get_parsed_content("roi_size") == [64, 64, 64]
+    assert built["roi_size"] == parser.get_parsed_content("roi_size") == [64, 64, 32]
     for name in ("preprocessing", "postprocessing"):
         assert built[name] == [type(t).__name__ for t in parser.get_parsed_content(name).transforms], name
     assert built["preprocessing"][0] == "EnsureChannelFirstd"
