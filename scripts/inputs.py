@@ -146,8 +146,9 @@ def failure_record(item: Mapping, stage: str, error: BaseException) -> dict:
 
 
 def root_message(error: BaseException) -> str:
-    """The message of the error that started it all (MONAI wraps a transform's error in RuntimeErrors)."""
-    while error.__cause__ is not None:
+    """The message that explains the failure: our own (which names the file and what to do) where the chain holds one,
+    else the innermost error's (MONAI wraps a transform's error in RuntimeErrors; ours wrap the library's)."""
+    while not isinstance(error, (DicomCaseError, InferenceInputError)) and error.__cause__ is not None:
         error = error.__cause__
     if isinstance(error, (DicomCaseError, InferenceInputError)):
         return str(error)

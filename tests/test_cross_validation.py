@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+import yaml
 from conftest import ROOT, configs
 from scripts import cross_validation as cv
 
@@ -75,17 +76,18 @@ def test_folds_come_from_the_datalist_and_must_be_two_or_more(tmp_path):
 def test_a_fold_is_finished_when_its_checkpoint_reached_max_epochs_and_its_weights_exist(tmp_path):
     plan = cv.make_plan(configs("train.yaml", "demo.yaml"), str(tmp_path), {"bundle_root": str(ROOT)})
     folder = plan.fold_dir(0)
-    assert plan.max_epochs == 10 and plan.labels == ["GTV-1"] and plan.keep == 1
+    demo_epochs = yaml.safe_load((ROOT / "configs" / "demo.yaml").read_text())["max_epochs"]
+    assert plan.max_epochs == demo_epochs and plan.labels == ["GTV-1"] and plan.keep == 1
     assert cv.checkpoint_epoch(folder) == 0
     (folder / "checkpoints").mkdir(parents=True)
-    torch.save({"trainer": {"epoch": 10, "iteration": 50}}, folder / "checkpoints" / "latest.pt")
+    torch.save({"trainer": {"epoch": demo_epochs, "iteration": 50}}, folder / "checkpoints" / "latest.pt")
     with pytest.raises(cv.CrossValidationError, match="val_interval"):
         cv._check_finished(plan, 0)
     (folder / "model.pt").write_bytes(b"")
     cv._check_finished(plan, 0)
     assert cv.train_fold(plan, 0) == "skipped"
     torch.save({"trainer": {"epoch": 4, "iteration": 20}}, folder / "checkpoints" / "latest.pt")
-    with pytest.raises(cv.CrossValidationError, match="trained 4 of 10 epochs"):
+    with pytest.raises(cv.CrossValidationError, match=f"trained 4 of {demo_epochs} epochs"):
         cv._check_finished(plan, 0)
 
 

@@ -56,3 +56,21 @@ def test_a_series_with_a_missing_slice_fails_its_check_with_the_reason_and_the_o
     assert failed["case_id"] == "P2" and failed["stage"] == "check"
     assert "missing slice" in failed["reason"] and "download the series again" in failed["reason"]
     assert report["skipped"] == [], "a broken series is a failed case, not an input that is no case"
+
+
+def test_a_failure_is_reported_with_our_message_not_the_library_error_under_it():
+    """MONAI wraps a transform's error, ours wraps pydicom's: the report keeps ours (it names the file, what to do)."""
+    from scripts.dicom import DicomCaseError
+    from scripts.inputs import root_message
+
+    try:
+        try:
+            try:
+                raise ValueError("The number of bytes of pixel data is less than expected")
+            except ValueError as err:
+                raise DicomCaseError("/x/1-08.dcm: pixel data cannot be read: the file is cut or damaged") from err
+        except DicomCaseError as err:
+            raise RuntimeError("applying transform") from err
+    except RuntimeError as err:
+        assert root_message(err) == "/x/1-08.dcm: pixel data cannot be read: the file is cut or damaged"
+    assert root_message(RuntimeError("x")) == "RuntimeError: x"

@@ -29,6 +29,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from conftest import MECHANICS_NETWORK
 
 ROOT = Path(__file__).resolve().parents[1]
 SLURM_TOOLS = ("slurmctld", "slurmd", "munged", "sbatch", "scontrol", "squeue", "scancel", "sinfo")
@@ -45,15 +46,10 @@ pytestmark = [
 
 NODES = ("n1", "n2")
 NUM_CASES = 5  # the split gives 4 training cases: 2 train (one step per rank and epoch), 2 validate (one per rank)
-# What is tested is the launch, not the network: a small BasicUNet (~1 s per step on one core here) in place of the
-# demo's SwinUNETR (feature_size 12: ~10 s per step, ~4 min for these jobs on two cores; under torchrun in
-# test_multi_gpu.py). The bundle's ids, as a user passes them after the script name (spaces kept).
-TINY_NETWORK = (
-    "{'_target_': 'BasicUNet', 'spatial_dims': 3, 'in_channels': 1, 'out_channels': '@num_classes', "
-    "'features': [8, 8, 16, 16, 32, 8]}"
-)
+# What is tested is the launch, not the network: conftest's small BasicUNet in place of the demo's SwinUNETR. The
+# bundle's ids, as a user passes them after the script name (spaces kept).
 BUNDLE_OVERRIDES = [
-    "--network_def", TINY_NETWORK, "--roi_size", "[64,64,64]", "--spacing", "[2.0,2.0,3.0]", "--num_samples", "1",
+    "--network_def", MECHANICS_NETWORK, "--roi_size", "[64,64,64]", "--spacing", "[2.0,2.0,3.0]", "--num_samples", "1",
     "--learning_rate", "3e-3", "--warmup_epochs", "1", "--sw_batch_size", "1",
     "--train#data", "$@train#datalist[:2]", "--validate#data", "$@train#datalist[2:]",
 ]  # fmt: skip

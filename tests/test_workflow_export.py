@@ -9,7 +9,10 @@ import sys
 
 import numpy as np
 import torch
+import yaml
 from conftest import ROOT, configs
+
+PATCH = [1, 1, *yaml.safe_load((ROOT / "configs" / "demo.yaml").read_text())["roi_size"]]  # the demo's window
 
 
 def export(demo_run, command: str, filepath, *extra: str) -> tuple[torch.nn.Module, torch.Tensor]:
@@ -19,14 +22,14 @@ def export(demo_run, command: str, filepath, *extra: str) -> tuple[torch.nn.Modu
     args = [sys.executable, "-m", "monai.bundle", command, "network_def", "--filepath", str(filepath),
             "--ckpt_file", str(weights), "--meta_file", str(ROOT / "configs" / "metadata.json"), "--config_file",
             configs("train.yaml", "demo.yaml", "inference.yaml"), "--bundle_root", str(ROOT), "--use_trace", "True",
-            "--input_shape", "[1,1,64,64,64]", *extra]  # fmt: skip
+            "--input_shape", str(PATCH), *extra]  # fmt: skip
     result = subprocess.run(args, cwd=filepath.parent, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     from monai.networks.nets import SwinUNETR
     from scripts.weights import load_weights
 
     eager = load_weights(SwinUNETR(in_channels=1, out_channels=2, feature_size=12), weights).eval()
-    return eager, torch.rand(1, 1, 64, 64, 64, generator=torch.Generator().manual_seed(0))
+    return eager, torch.rand(*PATCH, generator=torch.Generator().manual_seed(0))
 
 
 def test_traced_export_matches_the_eager_network(demo_run, tmp_path):

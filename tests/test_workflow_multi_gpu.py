@@ -3,6 +3,7 @@ a killed rank is restarted from the last checkpoint, and two "nodes" meet at a c
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import re
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, configs, train_workflow
+from conftest import MECHANICS_NETWORK, ROOT, configs, train_workflow
 
 MULTI = configs("train.yaml", "demo.yaml", "multi_gpu_train.yaml")
 # each rank one thread: two ranks of two threads each would oversubscribe the two cores
@@ -24,7 +25,8 @@ RANK_ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 def bundle_args(demo_tmp: Path, out: Path, **overrides) -> list[str]:
     settings = {"dataset_dir": demo_tmp / "data", "prepared_dir": demo_tmp / "prepared", "output_dir": out,
-                "num_samples": 1, "val_interval": 1, "max_epochs": 1, "dist_timeout_minutes": 10}  # fmt: skip
+                "num_samples": 1, "val_interval": 1, "max_epochs": 1, "dist_timeout_minutes": 10,
+                "network_def": MECHANICS_NETWORK}  # fmt: skip
     settings.update(overrides)
     args = ["-m", "monai.bundle", "run", "--config_file", MULTI, "--bundle_root", str(ROOT)]
     for key, value in settings.items():
@@ -79,7 +81,8 @@ def test_two_ranks_restart_after_a_kill_and_agree(tiny_data, tmp_path):
     # the Dice logged under DDP (each rank validated half the cases) equals one process validating all of them
     from scripts.weights import load_weights
 
-    workflow = train_workflow(["train.yaml", "demo.yaml"], demo_tmp, tmp_path / "single")
+    workflow = train_workflow(["train.yaml", "demo.yaml"], demo_tmp, tmp_path / "single",
+                              network_def=ast.literal_eval(MECHANICS_NETWORK))  # fmt: skip
     load_weights(workflow.parser.get_parsed_content("network"), latest)
     evaluator = workflow.parser.get_parsed_content("validate#evaluator")
     evaluator.run()
@@ -123,11 +126,19 @@ def test_two_nodes_on_localhost_with_partitioned_cache(tiny_data, tmp_path):
 
 
 def test_evaluation_on_two_ranks_counts_every_case_once(tiny_data, tmp_path):
+    """Mechanics only, so random-initialised weights of the demo network (no other test's run is assumed)."""
+    from monai.networks.nets import SwinUNETR
+    from scripts.files import write_json
+    from scripts.weights import sidecar_of
+
     demo_tmp = tiny_data
+    weights = tmp_path / "model.pt"
+    torch.save(SwinUNETR(in_channels=1, out_channels=2, feature_size=12).state_dict(), weights)
+    write_json(sidecar_of(weights), {"labels": ["GTV-1"]})
     config_file = configs("train.yaml", "demo.yaml", "evaluate.yaml", "multi_gpu_evaluate.yaml")
     args = ["-m", "monai.bundle", "run", "evaluate", "--config_file", config_file, "--bundle_root", str(ROOT),
-            "--dataset_dir", str(demo_tmp / "data"),
-            "--prepared_dir", str(demo_tmp / "prepared"), "--output_dir", str(demo_tmp / "run"),
+            "--dataset_dir", str(demo_tmp / "data"), "--prepared_dir", str(demo_tmp / "prepared"),
+            "--output_dir", str(tmp_path / "run"), "--model_path", str(weights),
             "--eval_dir", str(tmp_path), "--eval_split", "training", "--eval_pictures", "0"]  # fmt: skip
     result = subprocess.run(torchrun("--standalone", "--nproc_per_node=2", *args), cwd=tmp_path, capture_output=True,
                             text=True, timeout=600, env=RANK_ENV)  # fmt: skip

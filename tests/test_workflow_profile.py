@@ -10,7 +10,7 @@ import os
 import statistics
 
 import pytest
-from conftest import bundle_run, configs, demo_args
+from conftest import MECHANICS_NETWORK, bundle_run, configs, demo_args
 
 PROFILE = configs("train.yaml", "demo.yaml", "profile.yaml")
 
@@ -20,7 +20,7 @@ def profiled(tmp_path_factory, tiny_data):
     demo_tmp = tiny_data
     tmp = tmp_path_factory.mktemp("profiled")
     args = demo_args(tmp, config_file=PROFILE, max_epochs=1, dataset_dir=demo_tmp / "data",
-                     prepared_dir=demo_tmp / "prepared")  # fmt: skip
+                     prepared_dir=demo_tmp / "prepared", network_def=MECHANICS_NETWORK)  # fmt: skip
     # a stand-in nvidia-smi on PATH: the run's GPU utilisation monitor (on by default) must find and log it
     tools = tmp / "tools"
     tools.mkdir()

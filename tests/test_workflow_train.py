@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import DEMO, ROOT, bundle_run, demo_args, train_workflow
+from conftest import DEMO, DEMO_TEST_EPOCHS, MECHANICS_NETWORK, ROOT, bundle_run, demo_args, train_workflow
 from monai.bundle import ConfigWorkflow
 from scripts.config import ConfigError
 
@@ -48,7 +48,7 @@ def test_demo_writes_only_under_its_run_folder(demo_run, root):
     device = json.loads((tmp / "run" / "device_report.json").read_text())
     assert device["backend"] == "cpu" and "MIOPEN_FIND_MODE" not in device["settings"]
     state = torch.load(tmp / "run" / "checkpoints" / "latest.pt", weights_only=True)
-    assert state["trainer"]["epoch"] == 10
+    assert state["trainer"]["epoch"] == DEMO_TEST_EPOCHS
     weights = root / "models" / "model.pt"
     assert (weights.stat().st_mtime_ns if weights.exists() else None) == before, "models/model.pt was touched"
     report = json.loads((tmp / "prepared" / "prepare_report.json").read_text())
@@ -73,7 +73,8 @@ def resumed(tmp_path_factory, tiny_data) -> dict[str, Path | str]:
     epoch 2; then resumed. Mechanics only: a few small cases, one patch per step."""
     demo_tmp = tiny_data
     tmp = tmp_path_factory.mktemp("resume")
-    shared = {"dataset_dir": demo_tmp / "data", "prepared_dir": demo_tmp / "prepared", "max_epochs": 2}
+    shared = {"dataset_dir": demo_tmp / "data", "prepared_dir": demo_tmp / "prepared", "max_epochs": 2,
+              "network_def": MECHANICS_NETWORK}  # fmt: skip
     straight = bundle_run(*demo_args(tmp / "a", **shared))
     assert straight.returncode == 0, straight.stderr[-3000:]
     latest = tmp / "b" / "run" / "checkpoints" / "latest.pt"
@@ -158,12 +159,16 @@ def test_check_properties_pass_for_train_and_demo(demo_run):
 
 
 def test_every_switch_is_read_once_as_a_boolean():
-    """Each on/off id of every config has its flag#<id> entry: a switch that skipped it would read "false" as true."""
+    """Each on/off id of every config has its flag#<id> entry, in that config or in train.yaml (which every other
+    config is layered on): a switch that skipped it would read "false" as true."""
     import yaml
 
+    def flags_of(config: dict) -> set[str]:
+        return set((config.get("flag") or {}).keys()) | {k.split("#", 1)[1] for k in config if k.startswith("flag#")}
+
+    inherited = flags_of(yaml.safe_load((ROOT / "configs" / "train.yaml").read_text()))
     for path in sorted((ROOT / "configs").glob("*.yaml")):
         config = yaml.safe_load(path.read_text())
         switches = [k for k, v in config.items() if isinstance(v, bool) and "#" not in k]
-        flags = set((config.get("flag") or {}).keys()) | {k.split("#", 1)[1] for k in config if k.startswith("flag#")}
-        missing = [k for k in switches if k not in flags]
+        missing = [k for k in switches if k not in flags_of(config) | inherited]
         assert not missing, f"{path.name}: {missing} have no flag# entry"
