@@ -105,7 +105,9 @@ def main(
     """Check every shape against the full-load reference, then time the summariser on large traces; print a table."""
     chosen = _split(shapes, SHAPES)
     parser_list = _split(parsers, ("auto", "orjson", "json", "ijson"))
-    keep = _as_bool(keep)
+    from scripts.config import as_bool
+
+    keep = as_bool(keep, "keep")
     folder = Path(output_dir) if output_dir else Path(tempfile.mkdtemp(prefix="bench_trace_"))
     folder.mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []
@@ -559,13 +561,6 @@ def _split(value: str | tuple | list, allowed: tuple[str, ...]) -> list[str]:
 def _load() -> float:
     """The 1-minute load average now (benchmarks on a shared machine are noisy)."""
     return round(os.getloadavg()[0], 2)
-
-
-def _as_bool(value: bool | str) -> bool:
-    """A command-line flag given as a bool or a string such as ``true``/``false``."""
-    if isinstance(value, str):
-        return value.strip().lower() in ("1", "true", "yes", "on")
-    return bool(value)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ DEMO = configs("train.yaml", "demo.yaml")
 # epoch 2 already (0.910 in the 8-epoch run, 0.912 in a 4-epoch one), so the tests train 4 of them: the same patches,
 # rate and warm-up, half the time, and the same bar (Dice > 0.85) as the README's figure.
 DEMO_TEST_EPOCHS = 4
-# Tests of mechanics (resume, DDP restarts, profiling, cross-validation bookkeeping) do not depend on the network:
+# Tests of mechanics (resume, DDP restarts, profiling, SLURM launches) do not depend on the network:
 # a small BasicUNet steps ~6x faster than the demo's SwinUNETR on this CPU (0.27 s against 1.6 s per patch).
 MECHANICS_NETWORK = (
     "{'_target_': 'BasicUNet', 'spatial_dims': 3, 'in_channels': 1, 'out_channels': '@num_classes', "
