@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 import pydicom
+from scripts.labels import matching
 
 #: LPS (DICOM patient) to RAS (NIfTI world) coordinates
 LPS_TO_RAS = np.diag([-1.0, -1.0, 1.0, 1.0])
@@ -42,3 +44,22 @@ def find_single(folder: str | Path, sop_class: str, kind: str) -> Path:
         names = ", ".join(p.name for p in found)
         raise DicomCaseError(f"{folder}: {len(found)} {kind} objects ({names}), expected one; keep the one to use.")
     return found[0]
+
+
+def match_numbers(
+    available: dict[int, str], labels: Sequence[str], path: Path, item: str, holder: str
+) -> dict[str, list[int]]:
+    """Map each requested label to the numbers of the ``item``s (segments of a SEG, ROIs of an RTSTRUCT; ``available``:
+    number -> name) that match it by the tolerant rules of :func:`scripts.labels.matching`; :class:`DicomCaseError`
+    naming what the ``holder`` has when a label matches none."""
+    matched: dict[str, list[int]] = {}
+    for name in labels:
+        names = set(matching(name, available.values()))
+        numbers = [n for n, found in available.items() if found in names]
+        if not numbers:
+            raise DicomCaseError(
+                f"{path}: no {item} matches label {name!r}; the {holder} has {sorted(available.values())}. "
+                "Without it the case cannot be used (set `labels` to a name listed here if it is spelt differently)."
+            )
+        matched[name] = numbers
+    return matched

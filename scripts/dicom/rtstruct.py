@@ -26,9 +26,8 @@ from pathlib import Path
 
 import numpy as np
 import pydicom
-from scripts.dicom.common import RTSTRUCT_STORAGE, DicomCaseError, find_single
+from scripts.dicom.common import RTSTRUCT_STORAGE, DicomCaseError, find_single, match_numbers
 from scripts.dicom.ct import SLICE_TOLERANCE, CtSeries
-from scripts.labels import matching
 from skimage.draw import polygon
 from skimage.measure import points_in_poly
 
@@ -65,7 +64,7 @@ def read_rtstruct_labels(rtstruct_file: str | Path, ct: CtSeries, labels: Sequen
     _check_series(ds, ct, rtstruct_file)
     rois = {int(item.ROINumber): item for item in ds.StructureSetROISequence}
     names = {number: str(item.get("ROIName", "")) for number, item in rois.items()}
-    by_label = _match_rois(names, labels, rtstruct_file)
+    by_label = match_numbers(names, labels, rtstruct_file, "ROI", "RTSTRUCT")
     wanted: dict[int, int] = {}  # ROI number -> label index; the first label that matches an ROI keeps it
     for index, numbers in enumerate(by_label.values()):
         for number in numbers:
@@ -119,21 +118,6 @@ def _check_series(ds: pydicom.Dataset, ct: CtSeries, path: Path) -> None:
             f"{path}: references series {sorted(referenced)}, not the CT series {ct.series_uid} in "
             f"{ct.files[0].parent}; download the CT series the RTSTRUCT references."
         )
-
-
-def _match_rois(available: dict[int, str], labels: Sequence[str], path: Path) -> dict[str, list[int]]:
-    """Map each requested label to the numbers of the ROIs (``available``: number -> name) that match it."""
-    matched: dict[str, list[int]] = {}
-    for name in labels:
-        names = set(matching(name, available.values()))
-        numbers = [n for n, roi in available.items() if roi in names]
-        if not numbers:
-            raise DicomCaseError(
-                f"{path}: no ROI matches label {name!r}; the RTSTRUCT has {sorted(available.values())}. "
-                "Without it the case cannot be used (set `labels` to a name listed here if it is spelt differently)."
-            )
-        matched[name] = numbers
-    return matched
 
 
 def _check_frame_of_reference(roi: pydicom.Dataset, ct: CtSeries, path: Path) -> None:

@@ -18,9 +18,8 @@ from pathlib import Path
 
 import numpy as np
 import pydicom
-from scripts.dicom.common import SEG_STORAGE, DicomCaseError, find_single
+from scripts.dicom.common import SEG_STORAGE, DicomCaseError, find_single, match_numbers
 from scripts.dicom.ct import SLICE_TOLERANCE, CtSeries
-from scripts.labels import matching
 
 
 def read_seg_labels(seg_file: str | Path, ct: CtSeries, labels: Sequence[str]) -> tuple[np.ndarray, dict]:
@@ -51,7 +50,7 @@ def read_seg_labels(seg_file: str | Path, ct: CtSeries, labels: Sequence[str]) -
         )
 
     segments = {int(item.SegmentNumber): str(item.get("SegmentLabel", "")) for item in seg.SegmentSequence}
-    by_label = _match_segments(segments, labels, seg_file)
+    by_label = match_numbers(segments, labels, seg_file, "segment", "SEG")
     wanted: dict[int, int] = {}  # segment number -> label index; the first label that matches a segment keeps it
     for index, numbers in enumerate(by_label.values()):
         for number in numbers:
@@ -120,21 +119,6 @@ def _seg_frames(seg: pydicom.Dataset, seg_file: Path, needed: Sequence[int]) -> 
         raise DicomCaseError(f"{seg_file}: SEG pixel data cannot be decoded ({err}); download the case again.") from err
     pixels = pixels.reshape(int(seg.get("NumberOfFrames", 1) or 1), rows, columns)
     return {i: pixels[i] for i in needed}
-
-
-def _match_segments(available: dict[int, str], labels: Sequence[str], seg_file: Path) -> dict[str, list[int]]:
-    """Map each requested label to the SEG's segment numbers (``available``: number -> label) that match it."""
-    matched: dict[str, list[int]] = {}
-    for name in labels:
-        names = set(matching(name, available.values()))
-        numbers = [n for n, label in available.items() if label in names]
-        if not numbers:
-            raise DicomCaseError(
-                f"{seg_file}: no segment matches label {name!r}; the SEG has {sorted(available.values())}. "
-                "Without it the case cannot be used (set `labels` to a name listed here if it is spelt differently)."
-            )
-        matched[name] = numbers
-    return matched
 
 
 def _frame_slices(seg: pydicom.Dataset, ct: CtSeries, seg_file: Path) -> list[tuple[int, int | None]]:
