@@ -32,7 +32,6 @@ from __future__ import annotations
 import ast
 import csv
 import gc
-import io
 import json
 import logging
 import os
@@ -47,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from scripts.files import write_json, write_text
+from scripts.files import csv_text, write_json, write_text
 from scripts.metrics import summarize
 
 logger = logging.getLogger(__name__)
@@ -377,7 +376,7 @@ def pool_out_of_fold(plan: Plan, datalist: dict, folds: list[int]) -> dict:
     rows = [dict(r, **{f"{n}_dice_{v}": by_case[r["case_id"]][f"{n}_dice"] for v, by_case in variants.items()
                        for n in plan.labels}) for r in chosen]  # fmt: skip
     columns = [c for c in rows[0] if c not in ("case_id", "fold")]
-    write_text(plan.root / "cv" / "metrics.csv", _csv(rows, ["case_id", "fold", *columns]))
+    write_text(plan.root / "cv" / "metrics.csv", csv_text(rows, ["case_id", "fold", *columns]))
     _copy_worst_pictures(plan, chosen, "" if decision["keep_largest_components"] else "raw")
     per_fold = {}
     for fold in folds:
@@ -457,7 +456,7 @@ def compare_on_test(plan: Plan, fold: int, keep: int) -> list[dict]:
         seconds = evaluate_in_process(plan, out, eval_split="test", keep_largest_components=keep, eval_pictures=0,
                                       **ids)  # fmt: skip
         rows.append(_test_row(plan, name, out, seconds, ids))
-    write_text(plan.root / "cv" / "test_comparison.csv", _csv(rows, list(rows[0])))
+    write_text(plan.root / "cv" / "test_comparison.csv", csv_text(rows, list(rows[0])))
     return rows
 
 
@@ -480,15 +479,6 @@ def _test_row(plan: Plan, name: str, out: Path, seconds: float, ids: dict) -> di
 def _nanmean(values: Sequence[float]) -> float:
     finite = [v for v in values if np.isfinite(v)]
     return float(np.mean(finite)) if finite else float("nan")
-
-
-def _csv(rows: Sequence[dict], columns: Sequence[str]) -> str:
-    buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, fieldnames=list(columns), lineterminator="\n")
-    writer.writeheader()
-    for row in rows:
-        writer.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in row.items()})
-    return buffer.getvalue()
 
 
 def format_summary(summary: dict) -> str:

@@ -9,8 +9,6 @@ evaluates its own cases and rank 0 gathers and writes them all.
 
 from __future__ import annotations
 
-import csv
-import io
 import logging
 from collections.abc import Sequence
 from pathlib import Path
@@ -21,7 +19,7 @@ from ignite.engine import Engine, Events
 from scripts.batches import case_id_of, label_map, merged_items
 from scripts.distributed import is_rank0, world_size
 from scripts.figures import png_bytes, render_case
-from scripts.files import write_json, write_text
+from scripts.files import csv_text, write_json, write_text
 from scripts.geometry import spacing_of
 from scripts.metrics import case_metrics, summarize
 from scripts.report import tumour_report
@@ -99,7 +97,7 @@ class CaseMetrics:
             return
         self.output_dir.mkdir(parents=True, exist_ok=True)
         columns = [c for c in self.rows[0] if c != "case_id"] if self.rows else []
-        write_text(self.output_dir / "metrics.csv", _csv_text(self.rows, ["case_id", *columns]))
+        write_text(self.output_dir / "metrics.csv", csv_text(self.rows, ["case_id", *columns]))
         summary = {
             "num_cases": len(self.rows),
             "labels": self.labels,
@@ -149,12 +147,3 @@ def _load_volume(source, shape: tuple[int, ...]) -> np.ndarray | None:
     except Exception as err:  # a picture must never fail an evaluation
         logger.warning("%s: cannot read the CT for a picture (%s)", source, err)
         return None
-
-
-def _csv_text(rows: Sequence[dict], columns: Sequence[str]) -> str:
-    buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, fieldnames=list(columns), lineterminator="\n")
-    writer.writeheader()
-    for row in rows:
-        writer.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in row.items()})
-    return buffer.getvalue()

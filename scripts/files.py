@@ -3,11 +3,13 @@ place, so a reader (or a crash) never sees half a file and a previous version su
 
 from __future__ import annotations
 
+import csv
 import hashlib
+import io
 import json
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +80,16 @@ def fingerprint(folder: str | Path, head_bytes: int = 16384) -> str:
 
 def write_text(path: str | Path, text: str) -> Path:
     return replace_atomically(path, lambda tmp: tmp.write_text(text))
+
+
+def csv_text(rows: Sequence[dict], columns: Sequence[str]) -> str:
+    """``rows`` as CSV text with a header of ``columns``, floats to 6 significant digits (metrics tables)."""
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=list(columns), lineterminator="\n")
+    writer.writeheader()
+    for row in rows:
+        writer.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in row.items()})
+    return buffer.getvalue()
 
 
 def write_json(path: str | Path, data: Any, **kwargs: Any) -> Path:

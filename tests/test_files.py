@@ -11,7 +11,7 @@ from pathlib import Path
 import nibabel as nib
 import numpy as np
 import pytest
-from scripts.files import replace_atomically, save_nifti, write_json, write_text
+from scripts.files import csv_text, replace_atomically, save_nifti, write_json, write_text
 
 
 def test_successful_write_puts_the_file_in_place_and_leaves_no_temporary(tmp_path):
@@ -114,3 +114,9 @@ def test_save_nifti_replaces_an_existing_file(tmp_path):
     image = nib.load(path)
     assert image.shape == (3, 3, 3) and np.asarray(image.dataobj).all()
     assert [p.name for p in tmp_path.iterdir()] == ["seg.nii.gz"]
+
+
+def test_csv_text_has_the_header_in_order_and_floats_to_six_digits():
+    text = csv_text([{"case_id": "A", "dice": 0.123456789, "voxels": 12}], ["case_id", "dice", "voxels"])
+    assert text == "case_id,dice,voxels\nA,0.123457,12\n"
+    assert csv_text([], ["case_id"]) == "case_id\n"
