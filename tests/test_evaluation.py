@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -20,23 +21,24 @@ def sphere(spacing, centre_mm, radius_mm=R_MM, extent_mm=80.0) -> np.ndarray:
     return sum((g - c) ** 2 for g, c in zip(grid, centre_mm, strict=True)) <= radius_mm**2
 
 
-def test_handler_writes_one_row_per_case_and_a_summary(tmp_path):
-    class State:
-        batch = output = None
-
-    class FakeEngine:
-        state = State()
-
-    spacing = (1.0, 1.0, 3.0)
+def collect(handler: CaseMetrics, case_id: str, pred: np.ndarray, truth: np.ndarray, spacing) -> None:
+    """One case through the handler as the evaluator hands it over: one-hot masks on an axis-aligned grid."""
     affine = torch.diag(torch.tensor([*spacing, 1.0]))
+
+    def onehot(mask: np.ndarray) -> MetaTensor:
+        return MetaTensor(torch.from_numpy(np.stack([1 - mask, mask])), affine=affine)
+
+    state = SimpleNamespace(batch=[{"case_id": case_id}],  # MONAI keeps the inputs' keys in the batch
+                            output=[{"pred": onehot(pred), "truth": onehot(truth)}])  # fmt: skip
+    handler._collect(SimpleNamespace(state=state))
+
+
+def test_handler_writes_one_row_per_case_and_a_summary(tmp_path):
+    spacing = (1.0, 1.0, 3.0)
     handler = CaseMetrics(tmp_path, ["GTV-1"], tolerance_mm=3.0)
     truth = sphere(spacing, (40, 40, 40)).astype(np.float32)
     for case_id, offset in (("A", 0.0), ("B", OFFSET_MM)):
-        pred = sphere(spacing, (40 + offset, 40, 40)).astype(np.float32)
-        onehot = lambda m: MetaTensor(torch.from_numpy(np.stack([1 - m, m])), affine=affine)  # noqa: E731
-        FakeEngine.state.batch = [{"case_id": case_id}]  # MONAI keeps the inputs' keys in the batch
-        FakeEngine.state.output = [{"pred": onehot(pred), "truth": onehot(truth)}]
-        handler._collect(FakeEngine)
+        collect(handler, case_id, sphere(spacing, (40 + offset, 40, 40)).astype(np.float32), truth, spacing)
     handler.write()
     rows = list(csv.DictReader((tmp_path / "metrics.csv").open()))
     assert [r["case_id"] for r in rows] == ["A", "B"]
@@ -47,22 +49,12 @@ def test_handler_writes_one_row_per_case_and_a_summary(tmp_path):
 
 
 def test_rows_carry_the_tumour_measurements_of_prediction_and_truth(tmp_path):
-    class State:
-        batch = output = None
-
-    class FakeEngine:
-        state = State()
-
     spacing = (1.0, 1.0, 3.0)
-    affine = torch.diag(torch.tensor([*spacing, 1.0]))
     truth = sphere(spacing, (40, 40, 40)).astype(np.float32)
     pred = truth.copy()
     pred[5:8, 5:8, 5:8] = 1  # a stray second piece
     handler = CaseMetrics(tmp_path, ["GTV-1"], tolerance_mm=3.0)
-    onehot = lambda m: MetaTensor(torch.from_numpy(np.stack([1 - m, m])), affine=affine)  # noqa: E731
-    FakeEngine.state.batch = [{"case_id": "A"}]
-    FakeEngine.state.output = [{"pred": onehot(pred), "truth": onehot(truth)}]
-    handler._collect(FakeEngine)
+    collect(handler, "A", pred, truth, spacing)
     handler.write()
     row = next(csv.DictReader((tmp_path / "metrics.csv").open()))
     assert float(row["GTV-1_pred_components"]) == 2 and float(row["GTV-1_truth_components"]) == 1
