@@ -80,6 +80,19 @@ def tiny_data(tmp_path_factory) -> Path:
     return tmp
 
 
+def save_weights(network, path: Path, labels: tuple[str, ...] = ("GTV-1",)) -> Path:
+    """``network``'s weights at ``path`` with the sidecar that says what they segment, as training writes them (for
+    tests that need weights of the right shape, not trained ones)."""
+    import torch
+    from scripts.files import write_json
+    from scripts.weights import sidecar_of
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(network.state_dict(), path)
+    write_json(sidecar_of(path), {"labels": list(labels)})
+    return path
+
+
 def demo_args(tmp: Path, shrink: bool = True, config_file: str = DEMO, **overrides) -> list[str]:
     """The demo config pointed at a temporary folder; ``shrink``: a few small steps (for tests of mechanics)."""
     settings = {"dataset_dir": str(tmp / "data"), "prepared_dir": str(tmp / "prepared"), "output_dir": str(tmp / "run")}

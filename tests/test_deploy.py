@@ -49,19 +49,15 @@ def deployed(tmp_path_factory):
     """One random-initialised demo network exported to model.ts, one synthetic DICOM case, segmented by the Deploy
     application (a separate process) and, at the same time, by the bundle's inference workflow (this process)."""
     import torch
+    from conftest import save_weights
     from monai.bundle import ConfigWorkflow, ckpt_export
-    from scripts.files import write_json
     from scripts.synthetic import write_case
-    from scripts.weights import sidecar_of
 
     tmp = tmp_path_factory.mktemp("deploy")
     torch.manual_seed(0)
     parser = bundle_parser()
     network = parser.get_parsed_content("network_def")
-    weights = tmp / "models" / "model.pt"
-    weights.parent.mkdir()
-    torch.save(network.state_dict(), weights)
-    write_json(sidecar_of(weights), {"labels": ["GTV-1"]})
+    weights = save_weights(network, tmp / "models" / "model.pt")
     # MONAI's export, as the README runs it (the trace's own re-run check is left out: the comparison below is it)
     ckpt_export("network_def", filepath=str(tmp / "models" / "model.ts"), ckpt_file=str(weights),
                 meta_file=str(ROOT / "configs" / "metadata.json"), config_file=DEMO_INFERENCE, bundle_root=str(ROOT),

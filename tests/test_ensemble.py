@@ -11,6 +11,7 @@ from typing import ClassVar
 
 import pytest
 import torch
+from conftest import save_weights as save
 from scripts.ensemble import EnsembleNetwork, Models, ensemble, find_models, mirror_flips
 from scripts.inferers import FallbackSlidingWindowInferer
 
@@ -105,12 +106,6 @@ def test_a_wrapper_of_one_model_gives_that_model_through_overlapping_windows():
     torch.testing.assert_close(
         torch.softmax(inferer(x, EnsembleNetwork([net])), 1), torch.softmax(inferer(x, net), 1), atol=1e-5, rtol=0
     )
-
-
-def save(net: torch.nn.Module, path, labels=("GTV-1",)) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(net.state_dict(), path)
-    path.with_suffix(".json").write_text(json.dumps({"labels": list(labels)}))
 
 
 def test_one_model_without_tta_is_the_loaded_network_itself(tmp_path):

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import MECHANICS_NETWORK, ROOT, configs, train_workflow
+from conftest import MECHANICS_NETWORK, ROOT, configs, save_weights, train_workflow
 
 MULTI = configs("train.yaml", "demo.yaml", "multi_gpu_train.yaml")
 # each rank one thread: two ranks of two threads each would oversubscribe the two cores
@@ -128,13 +128,9 @@ def test_two_nodes_on_localhost_with_partitioned_cache(tiny_data, tmp_path):
 def test_evaluation_on_two_ranks_counts_every_case_once(tiny_data, tmp_path):
     """Mechanics only, so random-initialised weights of the demo network (no other test's run is assumed)."""
     from monai.networks.nets import SwinUNETR
-    from scripts.files import write_json
-    from scripts.weights import sidecar_of
 
     demo_tmp = tiny_data
-    weights = tmp_path / "model.pt"
-    torch.save(SwinUNETR(in_channels=1, out_channels=2, feature_size=12).state_dict(), weights)
-    write_json(sidecar_of(weights), {"labels": ["GTV-1"]})
+    weights = save_weights(SwinUNETR(in_channels=1, out_channels=2, feature_size=12), tmp_path / "model.pt")
     config_file = configs("train.yaml", "demo.yaml", "evaluate.yaml", "multi_gpu_evaluate.yaml")
     args = ["-m", "monai.bundle", "run", "evaluate", "--config_file", config_file, "--bundle_root", str(ROOT),
             "--dataset_dir", str(demo_tmp / "data"), "--prepared_dir", str(demo_tmp / "prepared"),
