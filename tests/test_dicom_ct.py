@@ -11,6 +11,7 @@ import pydicom
 import pytest
 from dicom_factory import TUMOUR_HU, Series, ct_slice, transcode, tumour_centre_of, write_series
 from scripts.dicom import DicomCaseError, read_case, read_ct_series, to_hu
+from scripts.dicom.ct import read_hu
 from scripts.synthetic import write_case
 
 SHAPE = (64, 64, 24)
@@ -81,6 +82,47 @@ def test_stored_values_become_hu_like_the_dicom_formula(dtype, slope, intercept)
     ds.RescaleSlope, ds.RescaleIntercept = slope, intercept
     expected = np.clip(np.rint(stored.astype(np.float64) * slope + intercept), -32768, 32767).astype(np.int16)
     np.testing.assert_array_equal(to_hu(stored, ds), expected)
+
+
+@pytest.mark.parametrize(
+    ("representation", "bits_stored", "slope", "intercept", "padding", "fast"),
+    [
+        (0, 12, 1, -1024, None, True),  # the usual CT: unsigned 12 bits (garbage written above them)
+        (0, 12, 1, -1024, 4000, True),  # with a padding value
+        (1, 16, 1, 0, None, True),  # signed 16 bits, already HU
+        (1, 12, 1, -24, -2000, True),  # signed 12 bits: the sign must be extended from bit 11
+        (0, 15, 1, -1024, None, True),  # unsigned 15 bits: still fits int16
+        (0, 16, 1, -1024, None, False),  # unsigned 16 bits: does not fit int16 -> the generic path
+        (0, 12, 1, -1024.5, None, False),  # fractional intercept -> the generic path
+        (1, 16, 2, -100, None, False),  # slope 2 -> the generic path
+        (1, 16, 1, 30000, None, False),  # HU beyond int16 -> the generic path, clipped
+    ],
+)
+def test_the_fast_slice_conversion_equals_pydicoms_decoder_and_the_formula(
+    tmp_path, monkeypatch, representation, bits_stored, slope, intercept, padding, fast
+):
+    """read_hu's shortcut for uncompressed 16-bit slices gives exactly to_hu(pixel_array) -- high bits above
+    BitsStored ignored (masked, or the sign extended), padding turned to air -- and anything else takes that path."""
+    rng = np.random.default_rng(bits_stored)
+    dtype = np.int16 if representation else np.uint16
+    info = np.iinfo(dtype)
+    raw = rng.integers(info.min, info.max, size=(16, 20), endpoint=True).astype(dtype)  # garbage in the unused bits
+    ds = ct_slice(Series(shape=(20, 16, 1)), 0)
+    ds.PixelRepresentation, ds.BitsStored, ds.HighBit = representation, bits_stored, bits_stored - 1
+    ds.RescaleSlope, ds.RescaleIntercept = slope, intercept
+    if padding is not None:
+        raw[:2, :2] = padding
+        ds.PixelPaddingValue = padding
+    ds.PixelData = raw.tobytes()
+    ds.save_as(tmp_path / "slice.dcm", enforce_file_format=True)
+    ds = pydicom.dcmread(tmp_path / "slice.dcm")
+    expected = to_hu(ds.pixel_array, ds)  # pydicom's decoder, then the formula
+    out = np.empty((16, 20), np.int16)
+    if fast:  # the shortcut must not fall back to the generic decoder
+        monkeypatch.setattr("scripts.dicom.ct.decode", lambda *a: pytest.fail("took the generic path"))
+    np.testing.assert_array_equal(read_hu(tmp_path / "slice.dcm", ds, out), expected)
+    if padding is not None:
+        assert (out[:2, :2] == -1024).all()
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ import pytest
 from dicom_factory import Series
 from dicom_factory import write_case as write_factory_case
 from scripts.dicom import DicomCaseError, find_seg_file, read_case
+from scripts.dicom.seg import _raw_frame_items, frame_references
 from scripts.synthetic import tumour_contains, write_case
 
 SHAPE = (64, 64, 24)
@@ -165,3 +166,60 @@ def test_two_segs_in_one_folder_are_refused_by_name(tmp_path):
     shutil.copy(seg_file, seg_file.with_name("second"))
     with pytest.raises(DicomCaseError, match=r"2 DICOM SEG objects \(1-1\.dcm, second\)"):
         find_seg_file(seg_file.parent)
+
+
+def _rewrite_seg(seg_file: Path, encoding: str) -> None:
+    """Re-save a SEG the way other writers encode the same content."""
+    seg = pydicom.dcmread(seg_file)
+    frames = seg.PerFrameFunctionalGroupsSequence
+    if encoding == "implicit-vr":
+        seg.file_meta.TransferSyntaxUID = pydicom.uid.ImplicitVRLittleEndian
+    elif encoding == "undefined-lengths":  # sequences and items closed by delimiters, as DCMTK can write them
+        seg["PerFrameFunctionalGroupsSequence"].is_undefined_length = True
+        for frame in frames:
+            frame.is_undefined_length_sequence_item = True
+            frame.PlanePositionSequence[0].is_undefined_length_sequence_item = True
+    elif encoding == "positions-only":  # frames placed by ImagePositionPatient alone
+        for frame in frames:
+            del frame.DerivationImageSequence
+    seg.save_as(seg_file, enforce_file_format=True)
+
+
+@pytest.mark.parametrize("encoding", ["as-written", "implicit-vr", "undefined-lengths", "positions-only"])
+def test_frames_walked_from_their_bytes_are_placed_as_pydicom_reads_them(tmp_path, encoding):
+    """The per-frame references are read straight from the SEG's bytes when pydicom leaves them unparsed; every
+    encoding places the same voxels, and the walk gives exactly what pydicom's own parsing gives."""
+    truth = write_case(tmp_path, "LUNG1-001", seed=5, shape=SHAPE, sparse_seg=True)
+    _rewrite_seg(Path(truth["seg_file"]), encoding)
+    assert_tumour_matches_truth(read(truth), truth)
+
+    walked = pydicom.dcmread(truth["seg_file"])
+    parsed = pydicom.dcmread(truth["seg_file"])
+    assert len(parsed.PerFrameFunctionalGroupsSequence) == int(parsed.NumberOfFrames)  # pydicom parses it now
+    assert _raw_frame_items(parsed) is None
+    assert (_raw_frame_items(walked) is None) == (encoding == "undefined-lengths")  # pydicom parsed those on read
+    if encoding == "implicit-vr":
+        assert walked.get_item("PerFrameFunctionalGroupsSequence").is_implicit_VR  # walked without VRs
+    references = frame_references(walked)
+    assert references == frame_references(parsed)
+    assert {r.segment for r in references} == {int(item.SegmentNumber) for item in parsed.SegmentSequence}
+    assert all(len(r.position) == 3 and bool(r.sources) == (encoding != "positions-only") for r in references)
+
+
+def test_frames_of_a_highdicom_seg_are_walked_like_pydicom_parses_them(tmp_path):
+    _, seg_file = write_factory_case(Series(), tmp_path / "case")
+    walked, parsed = pydicom.dcmread(seg_file), pydicom.dcmread(seg_file)
+    assert len(parsed.PerFrameFunctionalGroupsSequence) == int(parsed.NumberOfFrames)  # pydicom parses it now
+    assert _raw_frame_items(walked) is not None
+    assert frame_references(walked) == frame_references(parsed)
+
+
+def test_a_frame_position_that_is_not_numbers_names_the_seg(tmp_path):
+    truth = write_case(tmp_path, "LUNG1-001", seed=5, shape=SHAPE, sparse_seg=True)
+    seg_file = Path(truth["seg_file"])
+    _rewrite_seg(seg_file, "positions-only")
+    position = _raw_frame_items(pydicom.dcmread(seg_file))[0][0x00209113][0][0x00200032]
+    seg_file.write_bytes(seg_file.read_bytes().replace(position, b"n" * len(position), 1))
+    with pytest.raises(DicomCaseError, match=r"functional groups cannot be read.*malformed") as err:
+        read(truth)
+    assert seg_file.name in str(err.value)

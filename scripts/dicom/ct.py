@@ -56,6 +56,8 @@ REQUIRED_CT_TAGS = (
     "Columns",
 )
 RESCALE_TAGS = ("RescaleSlope", "RescaleIntercept")
+#: transfer syntaxes whose pixel data pydicom hands over as the plain little-endian values (deflate is inflated on read)
+NATIVE_LITTLE_ENDIAN = ("1.2.840.10008.1.2", "1.2.840.10008.1.2.1", "1.2.840.10008.1.2.1.99")
 
 
 @dataclass
@@ -115,7 +117,7 @@ def read_ct_series(image_dir: str | Path) -> CtSeries:
     # Fortran order -- what NIfTI stores, so writing it is a plain copy
     by_slice = np.empty((len(headers), int(ds0.Rows), int(ds0.Columns)), dtype=np.int16)
     for k, (path, ds) in enumerate(headers):
-        by_slice[k] = to_hu(decode(path, ds), ds)
+        read_hu(path, ds, out=by_slice[k])
         del ds.PixelData  # the decoded slice is kept; its bytes are not needed twice
     return CtSeries(
         hu=by_slice.transpose(2, 1, 0),
@@ -142,6 +144,53 @@ def to_hu(stored: np.ndarray, ds: pydicom.Dataset) -> np.ndarray:
     if padding is not None:
         hu[padding] = PADDING_HU
     return hu
+
+
+def read_hu(path: Path, ds: pydicom.Dataset, out: np.ndarray) -> np.ndarray:
+    """The slice's HU written into ``out`` (int16, rows x columns): ``to_hu(decode(path, ds), ds)``, computed straight
+    from the file's bytes in int16 for the usual CT slice -- uncompressed little-endian 16-bit values whose HU fit in
+    int16 without clipping (slope 1, whole-number intercept) -- which takes a third of the time of pydicom's generic
+    decoder followed by the conversion and gives the same values; any other slice goes that way."""
+    stored = _native_stored_values(ds, out.shape)
+    intercept = float(ds.RescaleIntercept)
+    if stored is None or float(ds.RescaleSlope) != 1.0 or not intercept.is_integer():
+        out[...] = to_hu(decode(path, ds), ds)
+        return out
+    bits = int(ds.get("BitsStored", 16))
+    low, high = (-(1 << (bits - 1)), (1 << (bits - 1)) - 1) if stored.dtype.kind == "i" else (0, (1 << bits) - 1)
+    if high > np.iinfo(np.int16).max or low + intercept < -32768 or high + intercept > 32767:
+        out[...] = to_hu(decode(path, ds), ds)  # values that do not fit int16 before or after the rescale
+        return out
+    np.add(stored.view("<i2"), np.int16(intercept), out=out)
+    padding = _padding_mask(stored, ds)
+    if padding is not None:
+        out[padding] = PADDING_HU
+    return out
+
+
+def _native_stored_values(ds: pydicom.Dataset, shape: tuple[int, int]) -> np.ndarray | None:
+    """The stored values of an uncompressed little-endian 16-bit single-frame slice as an array over its bytes (bits
+    above BitsStored cleared, or sign-extended when signed, as pydicom's decoder does); None for anything else."""
+    meta = getattr(ds, "file_meta", None)
+    syntax = str(meta.get("TransferSyntaxUID", "")) if meta is not None else ""
+    if (
+        syntax not in NATIVE_LITTLE_ENDIAN
+        or int(ds.get("BitsAllocated", 0)) != 16
+        or int(ds.get("SamplesPerPixel", 1)) != 1
+        or int(ds.get("NumberOfFrames", 1) or 1) != 1
+        or "PixelData" not in ds
+        or (int(ds.Rows), int(ds.Columns)) != shape
+    ):
+        return None
+    data = ds.PixelData
+    if not isinstance(data, bytes) or len(data) < 2 * shape[0] * shape[1]:
+        return None  # cut pixel data: the generic decoder says so
+    signed = int(ds.get("PixelRepresentation", 0)) == 1
+    stored = np.frombuffer(data, "<i2" if signed else "<u2", shape[0] * shape[1]).reshape(shape)
+    unused = 16 - int(ds.get("BitsStored", 16))
+    if 0 < unused < 16:
+        stored = np.right_shift(np.left_shift(stored, unused), unused)
+    return stored
 
 
 def decode(path: Path, ds: pydicom.Dataset) -> np.ndarray:
