@@ -499,6 +499,29 @@ def test_missing_file_and_gzip_garbage_are_clear_errors(tmp_path):
         st.summarize(garbage)
 
 
+@pytest.mark.parametrize(("read", "chunk"), [(7, 5), (64, 4096), (1 << 18, 1 << 22)])
+def test_gzip_members_and_padding_inflate_whole_at_any_chunk_boundary(tmp_path, monkeypatch, read, chunk):
+    """The read-ahead inflates every member of a gzip file (zero padding between them skipped, as gzip does) and
+    reports a cut stream; the summary equals the plain file's."""
+    monkeypatch.setattr(st, "_GZIP_READ", read)
+    monkeypatch.setattr(st, "_INFLATE_CHUNK", chunk)
+    text = kineto_text(make_trace()).encode()
+    half = len(text) // 2
+    packed = gzip.compress(text[:half]) + b"\0" * 5 + gzip.compress(text[half:]) + b"\0" * 3
+    (tmp_path / "trace.json.gz").write_bytes(packed)
+    (tmp_path / "trace.json").write_bytes(text)
+    (tmp_path / "cut.json.gz").write_bytes(packed[: len(packed) - 40])
+    with open(tmp_path / "trace.json.gz", "rb") as f:
+        assert b"".join(st._inflate(f, chunk)) == text
+    plain = st.summarize(tmp_path / "trace.json")
+    assert {**st.summarize(tmp_path / "trace.json.gz"), "trace": ""} == {**plain, "trace": ""}
+    cut = tmp_path / "cut.json.gz"
+    with open(cut, "rb") as f, pytest.raises(EOFError, match="ends before its end-of-stream marker"):
+        b"".join(st._inflate(f, chunk))
+    with pytest.raises(st.TraceError, match=r"cut\.json\.gz: cannot read"):
+        st.summarize(cut)
+
+
 def test_json_format_has_the_documented_shape(tmp_path):
     result = run_cli(write(tmp_path / "trace.json", make_trace()), "--format", "json")
     assert result.returncode == 0, result.stderr
