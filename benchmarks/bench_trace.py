@@ -20,8 +20,10 @@ For every shape the benchmark
 3. runs ``python -m scripts.summarize_trace TRACE --format json --parser P`` in a child process for each file and
    parser, checks its statistics against the generator's record (1e-6 s), and measures the child's wall time,
    throughput (MB/s of uncompressed trace, 10^6 bytes; also per CPU second of the child, steadier on a shared
-   machine, where it counts the read-ahead thread too) and peak resident memory (the child's own ``VmHWM``; where
-   ``/proc`` is missing, ``ru_maxrss`` from ``os.wait4``, which also counts this process's memory).
+   machine, where it counts the read-ahead thread too), peak resident memory (the child's own ``VmHWM``; where
+   ``/proc`` is missing, ``ru_maxrss`` from ``os.wait4``, which also counts this process's memory), the load
+   average and the CPU time the hypervisor gave other machines meanwhile (``steal %``, from ``/proc/stat``: on a
+   VM, a row measured while neighbours were busy is slow for reasons that are not the summariser's).
 
 It prints a markdown table, one row per shape, file and parser, and the slowest row::
 
@@ -191,6 +193,7 @@ def _row(
         "mb_per_cpu_s": round(size / 1e6 / max(run["cpu_s"], 1e-9), 1),
         "peak_rss_mb": round(run["maxrss_kb"] / 1024, 1),
         "load": _load(),
+        "steal_pct": run.get("steal_pct"),
         "generate_s": round(gen_s, 1),
         "python": sys.version.split()[0],
         "cpus": os.cpu_count(),
@@ -204,20 +207,22 @@ def _row_line(row: dict[str, Any]) -> str:
         f"bench_trace: {row['shape']} {row['file']} ({row['trace_bytes'] / 1e9:.2f} GB, {row['events']} events, "
         f"{row['kernels']} kernels) parser={row['parser']}: {row['wall_s']} s, {row['mb_per_s']} MB/s, "
         f"{row['mb_per_cpu_s']} MB per CPU s, peak RSS {row['peak_rss_mb']} MB, load {row['load']}, "
-        f"check {row['check']}"
+        f"steal {row['steal_pct']} %, check {row['check']}"
     )
 
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:
-    """The rows as a markdown table (shape, file, parser, GB, s, MB/s, MB per CPU second, peak RSS MB, load, check)."""
+    """The rows as a markdown table (shape, file, parser, GB, s, MB/s, MB per CPU second, peak RSS MB, load, steal %,
+    check)."""
     lines = [
-        "| shape | file | parser | trace GB | s | MB/s | MB per CPU s | peak RSS MB | load | check |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| shape | file | parser | trace GB | s | MB/s | MB per CPU s | peak RSS MB | load | steal % | check |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['shape']} | {r['file']} | {r['parser']} | {r['trace_bytes'] / 1e9:.2f} | {r['wall_s']} | "
-            f"{r['mb_per_s']} | {r['mb_per_cpu_s']} | {r['peak_rss_mb']} | {r['load']} | {r['check']} |"
+            f"{r['mb_per_s']} | {r['mb_per_cpu_s']} | {r['peak_rss_mb']} | {r['load']} | {r.get('steal_pct')} | "
+            f"{r['check']} |"
         )
     return "\n".join(lines)
 
@@ -521,6 +526,7 @@ def run_summarizer(trace: Path, parser: str) -> dict[str, Any]:
     """Run the CLI in a child process; its wall time, peak RSS (KiB) and parsed JSON output."""
     cmd = [sys.executable, "-c", _CHILD, "summarize_trace", str(trace), "--format", "json", "--parser", parser]
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        steal0 = _cpu_jiffies()
         t0 = time.perf_counter()
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=err)
         if hasattr(os, "wait4"):
@@ -532,6 +538,7 @@ def run_summarizer(trace: Path, parser: str) -> dict[str, Any]:
             usage = resource.getrusage(resource.RUSAGE_CHILDREN)
             maxrss, cpu = usage.ru_maxrss, usage.ru_utime + usage.ru_stime
         wall = time.perf_counter() - t0
+        steal1 = _cpu_jiffies()
         out.seek(0)
         err.seek(0)
         stdout, stderr = out.read().decode(), err.read().decode()
@@ -544,7 +551,26 @@ def run_summarizer(trace: Path, parser: str) -> dict[str, Any]:
         "summary": summary,
         "stderr": "\n".join(line for line in stderr.splitlines() if not line.startswith("VmHWM ")),
         "parser": parser,
+        "steal_pct": _steal_pct(steal0, steal1),
     }
+
+
+def _cpu_jiffies() -> tuple[int, int] | None:
+    """(steal, total) CPU time of the machine in jiffies from /proc/stat; None where there is none."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    return (fields[7] if len(fields) > 7 else 0), sum(fields[:8])
+
+
+def _steal_pct(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
+    """The share of CPU time the hypervisor gave other machines while a row ran (a VM's noisy neighbours: the
+    row's MB/s is then low for reasons not the summariser's)."""
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    return round(100 * (after[0] - before[0]) / (after[1] - before[1]), 1)
 
 
 def _split(value: str | tuple | list, allowed: tuple[str, ...]) -> list[str]:

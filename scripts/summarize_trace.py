@@ -262,7 +262,7 @@ def _inflate(raw: BinaryIO, size: int) -> Iterator[bytes]:
     Each zlib call turns up to :data:`_GZIP_READ` compressed bytes into up to ``size`` bytes, taking the GIL back
     only a few times per call (zlib releases it while it inflates). ``GzipFile`` feeds zlib 8 KiB at a time, so its
     thread had to win the GIL back from the parser every ~150 KB of output, up to a 5 ms switch interval each time,
-    and the parser waited for text: on 1 GB gzipped traces this reader is 6-12 % faster (docs/performance.md)."""
+    and the parser waited for text: on 1 GB gzipped traces this reader is 7-12 % faster (docs/performance.md)."""
     inflater, started, data, full = zlib.decompressobj(31), False, b"", False
     while True:
         if not started:
