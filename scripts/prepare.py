@@ -165,9 +165,13 @@ def _convert(
             pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
         with pool:
             futures = [pool.submit(prepare_case, case, output_dir, labels, compress, source) for case in todo]
-            for future in as_completed(futures):
-                records.append(future.result())
-                bar.update()
+            try:
+                for future in as_completed(futures):
+                    records.append(future.result())
+                    bar.update()
+            except BaseException:  # Ctrl-C: finish the cases in hand (their files are written whole), start no other
+                pool.shutdown(cancel_futures=True)
+                raise
     return records
 
 

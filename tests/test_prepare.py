@@ -365,3 +365,21 @@ def test_auto_takes_the_seg_and_falls_back_to_the_rtstruct(tmp_path):
     shutil.rmtree(Path(truth["seg_file"]).parent)
     report = prepare(tmp_path / "data", tmp_path / "out", num_workers=1, progress=False)
     assert report["num_prepared"] == 1 and report["cases"][0]["annotation"].startswith("rtstruct/")
+
+
+def test_an_interrupt_stops_at_the_cases_in_hand(tmp_path, monkeypatch):
+    """Ctrl-C while two cases are in flight: the run stops there instead of converting every queued case first."""
+    for i in range(12):
+        (tmp_path / "NSCLC-Radiomics" / f"P{i:02d}" / "1").mkdir(parents=True)
+    started = []
+
+    def interrupted(case, *args):
+        started.append(case["case_id"])
+        if len(started) == 2:
+            raise KeyboardInterrupt
+        return {**case, "status": "rejected", "reason": "test"}
+
+    monkeypatch.setattr(scripts.prepare, "prepare_case", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(tmp_path, tmp_path / "out", num_workers=1, progress=False)
+    assert len(started) <= 4  # the two in flight and at most the two taken up meanwhile, not all 12
