@@ -30,9 +30,9 @@ def configs(*names: str) -> str:
 
 
 DEMO = configs("train.yaml", "demo.yaml")
-# The demo as shipped runs 8 epochs (4 min 27 s here, measured for the README); its best validation Dice comes at
-# epoch 2 already (0.910 in the 8-epoch run, 0.912 in a 4-epoch one), so the tests train 4 of them: the same patches,
-# rate and warm-up, half the time, and the same bar (Dice > 0.85) as the README's figure.
+# The demo as shipped runs 8 epochs (2 min 58 s to 4 min 27 s here, measured for the README); its best validation Dice
+# comes at epoch 2 already (0.910 in the 8-epoch run, 0.912 in a 4-epoch one), so the tests train 4 of them: the same
+# patches, rate and warm-up, half the time, and the same bar (Dice > 0.85) as the README's figure.
 DEMO_TEST_EPOCHS = 4
 # Tests of mechanics (resume, DDP restarts, profiling, SLURM launches) do not depend on the network:
 # a small BasicUNet steps ~6x faster than the demo's SwinUNETR on this CPU (0.27 s against 1.6 s per patch).
