@@ -15,7 +15,7 @@ crops (``num_samples`` patches of ``roi_size`` per case); only where the data co
 It reports seconds of data per epoch (first epoch: reading + caching; steady state: median of the later ones),
 peak RSS, bytes per cached case, and the speed-up of the steady-state epoch over ``original``. Before that it times
 ``scripts.prepare`` per case against a bare pydicom read of the same CT series (every file read and its pixels
-decoded, nothing else), wall clock and CPU, in a child process of its own::
+decoded, nothing else), wall clock and CPU, each in fresh child processes (see :func:`_time_prepare`)::
 
     python -m benchmarks.bench_data [--cases 4] [--shape "[512,512,120]"] [--epochs 5] [--original_epochs 2]
                                  [--output_dir DIR] [--keep false] [--json_out FILE]
@@ -61,7 +61,7 @@ def main(
     try:
         _write_cases(dicom_dir, int(cases), shape)
         report: dict[str, Any] = {"cases": int(cases), "shape": list(shape), "cpus": os.cpu_count()}
-        report["prepare"] = _run_child("prepare", dicom_dir, prepared_dir, 3)
+        report["prepare"] = _time_prepare(dicom_dir, prepared_dir)
         for approach in APPROACHES:
             runs = int(original_epochs) if approach == "original" else int(epochs)
             report[approach] = _run_child(approach, dicom_dir, prepared_dir, runs)
@@ -89,24 +89,40 @@ def _write_cases(dicom_dir: Path, cases: int, shape: Sequence[int]) -> None:
             write_case(dicom_dir, pid, seed=i, shape=shape, segments=list(SEGMENTS), sparse_seg=False)
 
 
-def _time_prepare(dicom_dir: Path, prepared_dir: Path, passes: int = 3) -> dict[str, float]:
-    """Seconds per case, wall clock and CPU (every thread of this process): ``scripts.prepare`` (one worker process;
+def _time_prepare(dicom_dir: Path, prepared_dir: Path, rounds: int = 3, passes: int = 3) -> dict[str, float]:
+    """Seconds per case, wall clock and CPU (every thread of the process): ``scripts.prepare`` (one worker process;
     it keeps two cases in flight in threads, so that one's NIfTI writes overlap the next one's reading) vs. reading
-    the CT series with pydicom. The median of ``passes`` passes each, alternating, on files already in the page
-    cache, in a fresh child process as a user's run is: after the cases are written, this process's warm heap makes
-    the bare read's many allocations ~25 % cheaper than in any real run."""
+    the CT series with pydicom, on files already in the page cache.
+
+    Each is timed in fresh child processes, as a user's run starts, alternating (bare, prepare) ``rounds`` times,
+    ``passes`` passes per child; the medians over all passes are reported. Not both in one process: a bare read's
+    ~0.5 MB allocations cost up to 40 % less right after prepare has freed its volumes (glibc then serves them from
+    its heap), so that would time the allocator's state as much as the code."""
+    runs: dict[str, list] = {"bare": [], "prepare": []}
+    for _ in range(int(rounds)):
+        for kind in runs:
+            runs[kind] += _run_child(f"time_{kind}", dicom_dir, prepared_dir, int(passes))["passes"]
+    (bare_wall, bare_cpu), (wall, cpu) = ([statistics.median(x) for x in zip(*runs[k])] for k in runs)
+    return {"bare_pydicom_read_s_per_case": round(bare_wall, 3), "bare_pydicom_read_cpu_s_per_case": round(bare_cpu, 3),
+            "prepare_s_per_case": round(wall, 3), "prepare_cpu_s_per_case": round(cpu, 3),
+            "ratio": round(wall / bare_wall, 2), "cpu_ratio": round(cpu / bare_cpu, 2),
+            "passes": {k: [[round(x, 3) for x in run] for run in v] for k, v in runs.items()}}  # fmt: skip
+
+
+def _time_passes(kind: str, dicom_dir: Path, prepared_dir: Path, passes: int) -> list[tuple[float, float]]:
+    """``passes`` times (wall, CPU) per case of a bare read of every series (``kind="bare"``) or of prepare."""
     from scripts.prepare import prepare
 
     series = sorted((dicom_dir / COLLECTION).glob("*/*/image"))
-    bare, ours = [], []
-    for _ in range(int(passes)):
-        bare.append(_timed(lambda: [bare_read(image_dir) for image_dir in series]))
+    times = []
+    for _ in range(passes):
         shutil.rmtree(prepared_dir, ignore_errors=True)
-        ours.append(_timed(lambda: prepare(dicom_dir, prepared_dir, num_workers=1, progress=False)))
-    (bare_wall, bare_cpu), (wall, cpu) = ([statistics.median(x) / len(series) for x in zip(*t)] for t in (bare, ours))
-    return {"bare_pydicom_read_s_per_case": round(bare_wall, 3), "bare_pydicom_read_cpu_s_per_case": round(bare_cpu, 3),
-            "prepare_s_per_case": round(wall, 3), "prepare_cpu_s_per_case": round(cpu, 3),
-            "ratio": round(wall / bare_wall, 2), "cpu_ratio": round(cpu / bare_cpu, 2)}  # fmt: skip
+        if kind == "bare":
+            wall, cpu = _timed(lambda: [bare_read(image_dir) for image_dir in series])
+        else:
+            wall, cpu = _timed(lambda: prepare(dicom_dir, prepared_dir, num_workers=1, progress=False))
+        times.append((wall / len(series), cpu / len(series)))
+    return times
 
 
 def _timed(work) -> tuple[float, float]:
@@ -138,9 +154,10 @@ def _run_child(approach: str, dicom_dir: Path, prepared_dir: Path, epochs: int) 
 
 def child(approach: str, dicom_dir: str, prepared_dir: str, epochs: int) -> None:
     """One approach, in this process: build the dataset, draw ``epochs`` epochs of patches, print JSON (or, for
-    ``prepare``, time it against a bare read over ``epochs`` passes)."""
-    if approach == "prepare":
-        print(json.dumps(_time_prepare(Path(dicom_dir), Path(prepared_dir), int(epochs))))
+    ``time_bare`` / ``time_prepare``, time ``epochs`` passes of that)."""
+    if approach in ("time_bare", "time_prepare"):
+        kind = approach.removeprefix("time_")
+        print(json.dumps({"passes": _time_passes(kind, Path(dicom_dir), Path(prepared_dir), int(epochs))}))
         return
     import torch
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import nibabel as nib
 import numpy as np
 import pytest
+import scripts.files
 from scripts.files import csv_text, replace_atomically, save_nifti, write_json, write_text
 
 
@@ -105,6 +106,27 @@ def test_save_nifti_sets_qform_and_sform_to_the_affine_and_round_trips(tmp_path)
     np.testing.assert_allclose(image.affine, affine, atol=1e-5)
     assert image.get_data_dtype() == np.uint8
     np.testing.assert_array_equal(np.asarray(image.dataobj), labels)
+
+
+@pytest.mark.parametrize(("name", "dtype"), [("ct.nii", np.int16), ("seg.nii.gz", np.uint8), ("ct.nii.gz", np.int16)])
+def test_save_nifti_writes_in_one_piece_the_bytes_nibabel_writes(tmp_path, monkeypatch, name, dtype):
+    """Volumes in NIfTI order (as the DICOM readers make them) are written header-then-memory, gzipped in large
+    chunks: the same bytes (uncompressed) as nibabel.save; any other layout goes through nibabel itself."""
+    monkeypatch.setattr(scripts.files, "NIFTI_GZIP_CHUNK", 1000)  # several zlib calls even for a small volume
+    rng = np.random.default_rng(1)
+    volume = np.asfortranarray(rng.integers(0, 120, size=(9, 8, 7)).astype(dtype))
+    affine = lps_like_affine()
+    reference = nib.Nifti1Image(volume, affine)
+    reference.set_qform(affine, code=1)
+    reference.set_sform(affine, code=1)
+    nib.save(reference, tmp_path / f"nibabel-{name}")
+    ours = save_nifti(tmp_path / name, volume, affine)
+    unpack = gzip.decompress if name.endswith(".gz") else bytes
+    assert unpack(ours.read_bytes()) == unpack((tmp_path / f"nibabel-{name}").read_bytes())
+    c_order = np.ascontiguousarray(volume)  # not NIfTI's order: nibabel writes it
+    np.testing.assert_array_equal(
+        np.asarray(nib.load(save_nifti(tmp_path / f"c-{name}", c_order, affine)).dataobj), volume
+    )
 
 
 def test_save_nifti_replaces_an_existing_file(tmp_path):
