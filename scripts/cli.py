@@ -9,10 +9,14 @@ from __future__ import annotations
 
 import functools
 import logging
+import sys
 from collections.abc import Callable
 from typing import Any
 
 from tqdm.contrib.logging import logging_redirect_tqdm
+
+#: the exit status of a command stopped by Ctrl-C (128 + SIGINT, as shells report it)
+INTERRUPTED = 130
 
 
 def command(
@@ -22,7 +26,8 @@ def command(
     name: str = "",
 ) -> Callable[..., None]:
     """``function`` as a CLI: ``report(result)`` prints the outcome and returns the exit status (None or 0: success);
-    ``errors`` are printed as ``<name>: <message>`` and exit with status 1."""
+    ``errors`` are printed as ``<name>: <message>`` and exit with status 1; Ctrl-C prints one line and exits with
+    :data:`INTERRUPTED`."""
 
     @functools.wraps(function)
     def cli(*args: Any, **kwargs: Any) -> None:
@@ -32,6 +37,13 @@ def command(
                 result = function(*args, **kwargs)
         except errors as err:
             raise SystemExit(f"{name or function.__name__}: {err}") from None
+        except KeyboardInterrupt:  # Ctrl-C: one line, not the traceback of whichever wait it interrupted
+            print(
+                f"{name or function.__name__}: interrupted. Every file is written whole or not at all (atomic "
+                "writes): run the same command again to go on.",
+                file=sys.stderr,
+            )
+            raise SystemExit(INTERRUPTED) from None
         status = report(result)
         if status:
             raise SystemExit(status)

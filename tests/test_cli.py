@@ -50,6 +50,17 @@ def test_success_passes_arguments_through_and_returns_none():
     assert report.results == [{"dataset_dir": "/data", "limit": 3, "dry_run": True}]
 
 
+def test_ctrl_c_is_one_line_and_status_130_not_a_traceback(capsys):
+    def interrupted(dataset_dir: str) -> dict:
+        raise KeyboardInterrupt
+
+    with pytest.raises(SystemExit) as exit_info:
+        command(interrupted, Report(), name="prepare")("/data")
+    assert exit_info.value.code == 130
+    assert exit_info.value.__suppress_context__, "no chained traceback"
+    assert "prepare: interrupted." in capsys.readouterr().err
+
+
 def test_listed_error_becomes_a_one_line_exit_named_after_the_function():
     report = Report()
     with pytest.raises(SystemExit) as exit_info:
