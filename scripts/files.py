@@ -112,8 +112,7 @@ def save_nifti(path: str | Path, array: np.ndarray, affine: np.ndarray) -> Path:
     image.set_sform(affine, code=1)
     if not array.flags.f_contiguous or array.dtype.byteorder == ">" or array.dtype.kind not in "iu":
         return replace_atomically(path, lambda tmp: nib.save(image, tmp))
-    header = image.header
-    header.set_data_dtype(array.dtype)
+    header = image.header  # its data type already the array's
     header.set_slope_inter(1.0, 0.0)  # what nibabel records for integers stored as they are
     header["vox_offset"] = NIFTI_DATA_OFFSET
     head = header.binaryblock + b"\0" * (NIFTI_DATA_OFFSET - len(header.binaryblock))  # no extensions
