@@ -116,10 +116,10 @@ def _time_passes(kind: str, dicom_dir: Path, prepared_dir: Path, passes: int) ->
     series = sorted((dicom_dir / COLLECTION).glob("*/*/image"))
     times = []
     for _ in range(passes):
-        shutil.rmtree(prepared_dir, ignore_errors=True)
         if kind == "bare":
             wall, cpu = _timed(lambda: [bare_read(image_dir) for image_dir in series])
         else:
+            shutil.rmtree(prepared_dir, ignore_errors=True)  # every pass converts every case
             wall, cpu = _timed(lambda: prepare(dicom_dir, prepared_dir, num_workers=1, progress=False))
         times.append((wall / len(series), cpu / len(series)))
     return times
