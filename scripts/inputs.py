@@ -2,10 +2,14 @@
 
 * :func:`find_inputs` turns ``--input_dir`` into cases: every CT series folder (one per case, or a TCIA-layout tree
   ``<PatientID>/<SeriesNumber>/image/``) and every NIfTI file. Each series is checked from its headers before any
-  pixel is read (one series per folder, at least two evenly spaced slices, the tags that place a slice in space); a
-  bad input is skipped with a message naming the file, listed in ``inference_report.json``, and the rest still run.
+  pixel is read (one series per folder, at least two slices on a straight line and no missing file, the tags that
+  place a slice in space); a bad input is skipped with a message naming the file, listed in
+  ``inference_report.json``, and the rest still run.
 * :class:`LoadCased` reads a case into a ``[1, X, Y, Z]`` MetaTensor in HU with its RAS affine -- the grid and
-  orientation ``scripts.prepare`` writes for training, so inference sees what training saw.
+  orientation ``scripts.prepare`` writes for training, so inference sees what training saw. A series acquired at
+  uneven spacing or with a gantry tilt is read onto an equal-step orthogonal grid (``read_ct_series(resample=True)``,
+  as dcm2niix does); the metadata then carries under :data:`SLICE_MAP` where the original slices lie in that grid,
+  which :class:`scripts.outputs.SaveCased` uses (:func:`slice_map_of`) to write the labels back onto them.
 """
 
 from __future__ import annotations
@@ -25,13 +29,17 @@ from monai.transforms import MapTransform, apply_transform
 from monai.utils import MetaKeys
 from pydicom.errors import InvalidDicomError
 from scripts.dicom import DicomCaseError, read_ct_series, scan_ct_series
-from scripts.dicom.ct import CT_IMAGE_STORAGE, ENHANCED_CT_STORAGE
+from scripts.dicom.ct import CT_IMAGE_STORAGE, ENHANCED_CT_STORAGE, SliceMap
 from scripts.files import check_case_name, display_name, write_json
 
 logger = logging.getLogger(__name__)
 
 NIFTI_SUFFIXES = (".nii", ".nii.gz")
 REPORT = "inference_report.json"
+#: metadata key of a resampled series: its :class:`~scripts.dicom.ct.SliceMap` as tensors (they survive collation,
+#: the preprocessing and its inversion as ``original_affine`` does): ``origins`` (slices, 3), ``shape`` (2,),
+#: ``grid_shape`` (3,)
+SLICE_MAP = "slice_map"
 
 
 class InferenceInputError(ValueError):
@@ -158,11 +166,15 @@ def root_message(error: BaseException) -> str:
 def load_case(path: str | Path, source: str) -> MetaTensor:
     """A ``[1, X, Y, Z]`` float32 MetaTensor (HU) with its RAS affine, from a CT series folder or a NIfTI file. Its
     metadata says the channel is first (``original_channel_dim`` 0, MONAI's key), so ``EnsureChannelFirstd`` in the
-    inference preprocessing leaves it as it is (and adds the channel to MONAI Deploy's channel-less volumes)."""
+    inference preprocessing leaves it as it is (and adds the channel to MONAI Deploy's channel-less volumes). A series
+    at uneven spacing or with a gantry tilt comes on its equal-step grid, with :data:`SLICE_MAP` in the metadata."""
     path = Path(path)
+    slices = None
     if source == "dicom":
-        ct = read_ct_series(path)
-        array, affine = ct.hu, ct.affine_ras
+        ct = read_ct_series(path, resample=True)
+        array, affine, slices = ct.hu, ct.affine_ras, ct.slices
+        for note in ct.notes:
+            logger.info("%s: %s", display_name(str(path)), note)
     else:
         image = nib.load(str(path))
         array, affine = np.asarray(image.dataobj), image.affine
@@ -172,7 +184,21 @@ def load_case(path: str | Path, source: str) -> MetaTensor:
             raise InferenceInputError(f"{path}: image of shape {array.shape}; a 3D CT volume is needed.")
     meta = {"filename_or_obj": str(path), "source": source, "original_affine": torch.as_tensor(affine)}
     meta[MetaKeys.ORIGINAL_CHANNEL_DIM] = 0  # the channel is first
+    if slices is not None:
+        meta[SLICE_MAP] = {"origins": torch.as_tensor(slices.origins), "shape": torch.as_tensor(slices.shape),
+                           "grid_shape": torch.as_tensor(slices.grid_shape)}  # fmt: skip
     return MetaTensor(torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))[None], affine=affine, meta=meta)
+
+
+def slice_map_of(meta: Mapping) -> SliceMap | None:
+    """The :class:`~scripts.dicom.ct.SliceMap` that :func:`load_case` put in a case's metadata (it comes through
+    collation, preprocessing and its inversion with the prediction's), or None for a case read on its own slices."""
+    found = meta.get(SLICE_MAP) if meta else None
+    if not found:
+        return None
+    shape = tuple(int(v) for v in np.asarray(found["shape"]).reshape(-1))
+    grid = tuple(int(v) for v in np.asarray(found["grid_shape"]).reshape(-1))
+    return SliceMap(np.asarray(found["origins"], dtype=float).reshape(-1, 3), shape, grid)
 
 
 class LoadCased(MapTransform):
@@ -206,7 +232,7 @@ def _is_ct_folder(folder: Path, files: Sequence[str]) -> bool:
 
 def _check_input(path: Path, source: str) -> None:
     if source == "dicom":
-        scan_ct_series(path)
+        scan_ct_series(path, resample=True)  # uneven spacing and gantry tilt are resampled when the case is read
     elif source == "nifti":
         shape = nib.load(str(path)).shape
         if not (len(shape) == 3 or (len(shape) == 4 and shape[-1] == 1)):

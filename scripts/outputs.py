@@ -1,15 +1,20 @@
 """What inference writes per case, the report of every case's outcome, and the command's exit status.
 
-* :class:`SaveCased` writes, per case, into ``<output_dir>/<case>/``: ``<case>_seg.nii.gz`` on the input's own grid;
+* :class:`SaveCased` writes, per case, into ``<output_dir>/<case>/``: ``<case>_seg.nii.gz`` on the input's own grid
+  (for a DICOM series acquired at uneven spacing or with a gantry tilt: the equal-step orthogonal grid
+  :class:`scripts.inputs.LoadCased` resampled it to -- a true Cartesian grid, which the slices as acquired are not);
   the tumour report (:mod:`scripts.report`: volume, components, RECIST axes, 3D diameter, centroid, side, slices, HU)
   as ``<case>_report.json`` and a picture of the axial, coronal and sagittal planes through the tumour,
   ``<case>_report.png``; and, for DICOM input, the DICOM objects of :mod:`scripts.writers` that reference the CT
   series: ``<case>_seg.dcm`` (DICOM SEG), ``<case>_rtstruct.dcm`` (RTSTRUCT, for treatment-planning systems) and
-  ``<case>_sr.dcm`` (a TID 1500 measurement report referencing the SEG). ``<output_dir>/report.csv`` gets one row
-  per case and structure. A case's files are written into a hidden folder and moved into place together: a case that
-  fails while writing leaves nothing half-written, and its outputs from an earlier run stay as they were. Given
-  ``models`` (:meth:`scripts.ensemble.Models.record`: the weight files with their SHA-256, TTA, post-processing), the
-  DICOM SEG carries them as its algorithm's parameters and the tumour report as ``models``.
+  ``<case>_sr.dcm`` (a TID 1500 measurement report referencing the SEG). The SEG and the RTSTRUCT always hold the
+  labels on the series' own slices, every instance referenced: a resampled series' label map is mapped back onto them
+  (:meth:`scripts.dicom.ct.SliceMap.to_slices`, from the case's metadata), while the NIfTI, the report and the SR's
+  measurements stay on the Cartesian grid, and the report's ``notes`` say what was done. ``<output_dir>/report.csv``
+  gets one row per case and structure. A case's files are written into a hidden folder and moved into place
+  together: a case that fails while writing leaves nothing half-written, and its outputs from an earlier run stay as
+  they were. Given ``models`` (:meth:`scripts.ensemble.Models.record`: the weight files with their SHA-256, TTA,
+  post-processing), the DICOM SEG carries them as its algorithm's parameters and the tumour report as ``models``.
 * :class:`InferenceSummary` completes ``inference_report.json`` (written by :func:`scripts.inputs.find_inputs`)
   case by case -- ``done`` with its files and seconds, or ``failed`` with the stage and the reason -- records the
   ``models`` used, and prints one line at the end.
@@ -33,10 +38,11 @@ import numpy as np
 from ignite.engine import Engine, Events
 from monai.transforms import MapTransform
 from scripts.batches import merged_items
-from scripts.dicom import read_ct_series
+from scripts.dicom import SliceMap, read_ct_series
 from scripts.figures import png_bytes, render_planes
 from scripts.files import display_name, save_nifti, write_json
 from scripts.geometry import voxel_volume_ml
+from scripts.inputs import slice_map_of
 from scripts.report import report_rows, tumour_report, write_report, write_report_csv
 from scripts.writers.rtstruct import write_rtstruct
 from scripts.writers.seg import algorithm_identification, write_dicom_seg
@@ -108,13 +114,18 @@ class SaveCased(MapTransform):
         affine = np.asarray(tensor.meta.get("original_affine", tensor.affine), dtype=float)
         files = {"nifti": str(save_nifti(folder / f"{case_id}_seg.nii.gz", labels, affine))}
         dicom = d.get("source") == "dicom"
-        report = self._report(d, labels, affine, case_id, folder, files) if self.write_report else None
+        slices = slice_map_of(tensor.meta) if dicom and hasattr(tensor, "meta") else None
+        on_slices = labels if slices is None else slices.to_slices(labels)  # the series' own slices, for SEG/RTSTRUCT
+        if slices is not None:
+            logger.info("%s: labels mapped from the resampled %s grid back onto the %d original slices", case_id,
+                        "x".join(map(str, labels.shape)), on_slices.shape[2])  # fmt: skip
+        report = self._report(d, labels, affine, case_id, folder, files, slices) if self.write_report else None
         if dicom and self.write_seg:
             files["dicom_seg"] = str(folder / f"{case_id}_seg.dcm")
-            write_dicom_seg(labels, d["source_path"], self.labels, files["dicom_seg"], self.algorithm)
+            write_dicom_seg(on_slices, d["source_path"], self.labels, files["dicom_seg"], self.algorithm)
         if dicom and self.write_rtstruct:
             files["rtstruct"] = str(folder / f"{case_id}_rtstruct.dcm")
-            write_rtstruct(labels, d["source_path"], self.labels, files["rtstruct"], self.version)
+            write_rtstruct(on_slices, d["source_path"], self.labels, files["rtstruct"], self.version)
         if dicom and self.write_sr and report is not None:
             files["sr"] = str(folder / f"{case_id}_sr.dcm")
             write_sr(report, d["source_path"], files.get("dicom_seg"), files["sr"], self.version)
@@ -123,12 +134,27 @@ class SaveCased(MapTransform):
         logger.info("%s: %s, volumes (ml) %s", case_id, ", ".join(Path(f).name for f in files.values()), volumes)
         return files, report
 
-    def _report(self, d: dict, labels: np.ndarray, affine: np.ndarray, case_id: str, folder: Path, files: dict) -> dict:
-        """The tumour report of the prediction, with HU from the case's CT read again (its original grid), as JSON
-        and as a three-plane picture."""
-        hu = original_hu(d["source_path"], d.get("source", "dicom"), labels.shape)
+    def _report(
+        self,
+        d: dict,
+        labels: np.ndarray,
+        affine: np.ndarray,
+        case_id: str,
+        folder: Path,
+        files: dict,
+        slices: SliceMap | None,
+    ) -> dict:
+        """The tumour report of the prediction, with HU from the case's CT read again (on the grid the prediction is
+        on), as JSON and as a three-plane picture; a resampled series' notes say how, and where the DICOM labels are."""
+        hu, notes = original_ct(d["source_path"], d.get("source", "dicom"), labels.shape)
         report = tumour_report(labels, hu, affine, self.labels)
         context = {"input": display_name(str(d["source_path"])), "model_version": self.version}
+        if slices is not None:
+            grid = "x".join(map(str, labels.shape))
+            notes.append(f"this report and the NIfTI are on the resampled {grid} grid; the DICOM SEG and RTSTRUCT "
+                         f"hold the labels on the {len(slices.origins)} original slices")  # fmt: skip
+        if notes:
+            context["notes"] = notes
         if self.models:
             context["models"] = self.models
         files["report"] = str(write_report(report, case_id, folder, **context))
@@ -138,16 +164,21 @@ class SaveCased(MapTransform):
         return report
 
 
-def original_hu(path: str | Path, source: str, shape: tuple[int, ...]) -> np.ndarray | None:
-    """The case's CT in HU on its own grid (DICOM series or NIfTI), for the report; None if it cannot be read again
-    or does not match the prediction's grid (the report then has no HU statistics)."""
+def original_ct(path: str | Path, source: str, shape: tuple[int, ...]) -> tuple[np.ndarray | None, list[str]]:
+    """The case's CT in HU on the grid inference read it on (a DICOM series' own, or its equal-step grid when it was
+    resampled; a NIfTI's), for the report, and the reader's notes; HU None if it cannot be read again or does not
+    match the prediction's grid (the report then has no HU statistics)."""
     try:
-        hu = read_ct_series(path).hu if source == "dicom" else np.asarray(nib.load(str(path)).dataobj)
+        if source == "dicom":
+            ct = read_ct_series(path, resample=True)
+            hu, notes = ct.hu, ct.notes
+        else:
+            hu, notes = np.asarray(nib.load(str(path)).dataobj), []
     except Exception as err:  # the prediction is written without HU statistics rather than not at all
         logger.warning("%s: CT not read again for the report (%s)", path, err)
-        return None
+        return None, []
     hu = hu.reshape(hu.shape[:3]) if hu.ndim == 4 and hu.shape[3] == 1 else hu
-    return hu if hu.shape == tuple(shape) else None
+    return (hu if hu.shape == tuple(shape) else None), notes
 
 
 def _move_into_place(staging: Path, final: Path) -> None:

@@ -14,9 +14,12 @@ Output (``<output_dir>``):
 * ``prepare_report.json`` -- every case with its status; rejected cases carry a reason naming the file, and
   prepared cases that look unusual carry ``notes`` (listed together under ``noted``).
 
-Content checks (no patient id is hard-coded): a case is rejected when its CT has a missing slice (a gap in the
-positions), mixed series or orientations, or undecodable files, when the SEG does not sit on the CT, or when a
-requested structure is empty (NSCLC-Radiomics holds post-operative scans without a GTV). A CT stored in an unusual
+Content checks (no patient id is hard-coded): a case is rejected when its CT has a missing slice (a gap of whole
+steps in the positions, or a jump in InstanceNumber: "download the series again"), slices at uneven spacing or with a
+gantry tilt as the scanner acquired them (the reason names the gaps in mm and the angle, and says what to do: a
+NIfTI volume needs one step on an orthogonal grid; inference takes such a series as it is), mixed series or
+orientations, or undecodable files, when the SEG does not sit on the CT, or when a requested structure is empty
+(NSCLC-Radiomics holds post-operative scans without a GTV). A CT stored in an unusual
 orientation (rows/columns flipped, as for some prone or feet-first scans) is kept -- its affine places it correctly and
 training reorients to RAS -- and noted, so that a user checking the data knows which cases to look at.
 

@@ -17,6 +17,10 @@ from pydicom.sr.codedict import codes
 from pydicom.uid import CTImageStorage, ExplicitVRLittleEndian, generate_uid
 
 TUMOUR_HU, BODY_HU, AIR_HU = 60.0, 0.0, -1000.0
+#: z distances (mm) between consecutive slices of a GE-like head CT series: 1.1 to 7.4 mm, median 4.0 mm, and most
+#: not a whole multiple of it -- unevenly spaced as acquired, no file missing
+UNEVEN_GAPS = (1.1, 2.5, 4.0, 7.4, 3.2, 5.5, 1.1, 4.0, 6.3, 2.5, 4.0, 1.7, 7.4, 3.2, 4.0, 2.5, 5.5, 1.1, 4.0, 6.3,
+               2.5, 3.2, 4.0)  # fmt: skip
 
 
 @dataclass
@@ -27,6 +31,7 @@ class Series:
     pixel_spacing: float = 2.0
     slice_spacing: float = 3.0
     tilt_deg: float = 0.0  # each slice stepped sideways (along +y, the column direction) by tan(tilt) * spacing
+    gaps: tuple[float, ...] = ()  # uneven spacing: the z distances (mm) from each slice to the next, shape[2] - 1
     tumour_centre: tuple[float, float, float] = (8.0, -6.0, 18.0)
     tumour_radius: float = 10.0
     patient_id: str = "RW-001"
@@ -39,6 +44,11 @@ class Series:
         """ImagePositionPatient of each slice, first slice first."""
         nx, ny, nz = self.shape
         corner = np.array([-(nx - 1) * self.pixel_spacing / 2, -(ny - 1) * self.pixel_spacing / 2, 0.0])
+        if self.gaps:  # z of each slice: the sum of the gaps below it; sideways by tan(tilt) * z, as the scanner steps
+            if len(self.gaps) != nz - 1:
+                raise ValueError(f"{len(self.gaps)} gaps for {nz} slices")
+            z = np.concatenate([[0.0], np.cumsum(self.gaps)])
+            return corner + np.stack([np.zeros(nz), np.tan(np.radians(self.tilt_deg)) * z, z], axis=1)
         sideways = np.tan(np.radians(self.tilt_deg)) * self.slice_spacing
         return np.array([corner + np.array([0.0, k * sideways, k * self.slice_spacing]) for k in range(nz)])
 
@@ -52,12 +62,23 @@ class Series:
         """Tumour mask of slice k (rows, columns): pixel centres inside the sphere."""
         return np.linalg.norm(self.voxel_centres(k) - self.tumour_centre, axis=-1) <= self.tumour_radius
 
+    def tumour_on_slices(self) -> np.ndarray:
+        """Tumour mask of every slice, [column, row, slice] (the label map's axis order)."""
+        return np.stack([self.tumour(k).T for k in range(self.shape[2])], axis=-1)
+
     def hu(self, k: int) -> np.ndarray:
         nx, ny, _ = self.shape
         cols, rows = np.meshgrid(np.arange(nx), np.arange(ny))
         body = ((cols - nx / 2) / (0.45 * nx)) ** 2 + ((rows - ny / 2) / (0.4 * ny)) ** 2 <= 1
         values = np.where(body, BODY_HU, AIR_HU)
         return np.where(self.tumour(k), TUMOUR_HU, values)
+
+
+def uneven_series(tilt_deg: float = 0.0, gaps: tuple[float, ...] = UNEVEN_GAPS, **options) -> Series:
+    """A 64 x 64 x 24 series at 2 mm pixels spaced by ``gaps`` (none: 3 mm), tilted by ``tilt_deg``, with the tumour
+    (radius 12 mm) across several of the gaps."""
+    return Series(shape=(64, 64, 24), gaps=gaps, tilt_deg=tilt_deg, tumour_centre=(8.0, -6.0, 40.0),
+                  tumour_radius=12.0, **options)  # fmt: skip
 
 
 def ct_slice(series: Series, k: int, intercept: float = -1024.0) -> Dataset:

@@ -9,7 +9,16 @@ from pathlib import Path
 import numpy as np
 import pydicom
 import pytest
-from dicom_factory import TUMOUR_HU, Series, ct_slice, transcode, tumour_centre_of, write_series
+from dicom_factory import (
+    TUMOUR_HU,
+    UNEVEN_GAPS,
+    Series,
+    ct_slice,
+    transcode,
+    tumour_centre_of,
+    uneven_series,
+    write_series,
+)
 from scripts.dicom import DicomCaseError, read_case, read_ct_series, to_hu
 from scripts.dicom.ct import read_hu
 from scripts.synthetic import write_case
@@ -242,3 +251,128 @@ def test_an_enhanced_multiframe_ct_is_refused_with_what_it_is(tmp_path):
     enhanced.save_as(tmp_path / "enhanced.dcm", enforce_file_format=True)
     with pytest.raises(DicomCaseError, match=r"Enhanced CT Image.*multi-frame.*one file per slice"):
         read_ct_series(tmp_path)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# slices as scanners acquire them: uneven gaps, gantry tilt, and the missing files that look like them
+
+
+def test_uneven_spacing_is_refused_by_default_naming_the_gaps_and_not_asking_for_a_download(tmp_path):
+    write_series(uneven_series(), tmp_path)
+    with pytest.raises(DicomCaseError, match=r"uneven slice spacing \(1\.10-7\.40 mm along the slice normal\)") as err:
+        read_ct_series(tmp_path)
+    message = str(err.value)
+    assert "a gantry tilt of" not in message and "download the series again" not in message
+    assert "point to no missing file" in message and "Inference takes the series as it is" in message
+
+
+def test_uneven_spacing_with_a_gantry_tilt_names_both(tmp_path):
+    write_series(uneven_series(tilt_deg=18.5), tmp_path)
+    with pytest.raises(DicomCaseError, match=r"uneven slice spacing \(1\.10-7\.40 mm.* and a gantry tilt of 18\.5 deg"):
+        read_ct_series(tmp_path)
+
+
+def test_a_gantry_tilt_alone_is_named_without_uneven_spacing(tmp_path):
+    write_series(Series(shape=SHAPE, tilt_deg=15.0), tmp_path)
+    with pytest.raises(DicomCaseError) as err:
+        read_ct_series(tmp_path)
+    assert "uneven" not in str(err.value) and "download the series again" not in str(err.value)
+
+
+@pytest.mark.parametrize("resample", [False, True])
+def test_a_gap_of_whole_steps_is_a_missing_slice_to_download_again_even_when_resampling(case, resample):
+    files = slice_files_by_z(Path(case["image_dir"]))
+    files[7].unlink()
+    files[15].unlink()
+    files[16].unlink()
+    with pytest.raises(DicomCaseError, match=r"1 missing slice\(s\) between .*\(3 missing in all, at 2 gaps\); "
+                       r"download the series again\.$"):  # fmt: skip
+        read_ct_series(case["image_dir"], resample=resample)
+
+
+@pytest.mark.parametrize("resample", [False, True])
+def test_an_instance_number_gap_in_an_uneven_series_is_a_missing_slice(tmp_path, resample):
+    write_series(uneven_series(), tmp_path)
+    (tmp_path / "0013.dcm").unlink()  # gaps 1.7 + 7.4 = 9.1 mm: uneven like the others, but instance 13 is gone
+    with pytest.raises(DicomCaseError, match=r"1 missing slice\(s\): InstanceNumber jumps from 12 to 14 between "
+                       r"0012\.dcm .* 9\.10 mm apart.*; download the series again\.$"):  # fmt: skip
+        read_ct_series(tmp_path, resample=resample)
+
+
+def test_instance_numbers_out_of_spatial_order_prove_no_missing_file(tmp_path):
+    for ds in write_series(uneven_series(), tmp_path):
+        name = f"{ds.InstanceNumber:04d}.dcm"
+        ds.InstanceNumber = (ds.InstanceNumber * 7) % 25  # numbers in no spatial order: no evidence either way
+        ds.save_as(tmp_path / name, enforce_file_format=True)
+    (tmp_path / "0013.dcm").unlink()  # the slice whose loss the previous test detects from ordered numbers
+    ct = read_ct_series(tmp_path, resample=True)
+    assert len(ct.sop_instance_uids) == 23 and any("uneven slice spacing" in note for note in ct.notes)
+
+
+@pytest.mark.parametrize(
+    ("tilt_deg", "gaps"),
+    [(0.0, UNEVEN_GAPS), (18.5, UNEVEN_GAPS), (-18.5, UNEVEN_GAPS), (15.0, ())],
+    ids=["uneven", "tilted-uneven", "tilted-back-uneven", "tilted"],
+)
+def test_a_resampled_series_places_the_tumour_in_world_mm_and_maps_back_onto_its_slices(tmp_path, tilt_deg, gaps):
+    """resample=True: an orthogonal grid at an equal step no larger than the smallest gap, the first and last planes
+    on the first and last slices, the tumour (the bright voxels) centred where the writer put it, and thresholded on
+    the grid then mapped back, on every original slice what the writer drew there."""
+    series = uneven_series(tilt_deg, gaps)
+    write_series(series, tmp_path)
+    for path in sorted(tmp_path.glob("*.dcm")):  # names in reverse z order: the order comes from the positions
+        path.rename(tmp_path / f"z{25 - int(path.stem):04d}.dcm")
+    ct = read_ct_series(tmp_path, resample=True)
+    positions = series.positions()
+    assert ct.sop_instance_uids == [series.uid(f"sop{k}") for k in range(24)]  # every slice, in z order
+    step = ct.affine_lps[:3, 2]
+    np.testing.assert_allclose(step[:2], 0.0, atol=1e-6 if tilt_deg else 1e-2)  # along the normal (z): orthogonal
+    assert step[2] <= min(np.diff(positions[:, 2])) + 1e-6
+    assert ct.hu.shape[2] == round((positions[-1, 2] - positions[0, 2]) / step[2]) + 1
+    np.testing.assert_allclose(ct.slices.origins[[0, -1], 2], [0, ct.hu.shape[2] - 1], atol=1e-6)
+    i, j = ct.slices.origins[0, :2].astype(int)  # the grid's pixels are the first slice's (widened for the tilt)
+    np.testing.assert_array_equal(ct.slices.origins[0, :2], (i, j))
+    assert i == 0 and (j == 0) == (tilt_deg >= 0)
+    np.testing.assert_array_equal(ct.hu[i : i + 64, j : j + 64, 0].T, series.hu(0))  # a plane on a slice: its HU
+    centre = tumour_centre_of(ct.hu > (TUMOUR_HU / 2), ct.affine_ras)
+    np.testing.assert_allclose(centre, series.tumour_centre, atol=0.5)  # mm
+    back = ct.slices.to_slices((ct.hu > TUMOUR_HU / 2).astype(np.uint8)).astype(bool)
+    truth = series.tumour_on_slices()
+    assert (back != truth).sum() <= 0.02 * truth.sum(), f"{(back != truth).sum()} of {truth.sum()} voxels differ"
+    (note,) = [n for n in ct.notes if "resampled" in n]
+    assert note.startswith("24 slices with ") and "labels are written back on the original slices" in note
+    assert ("uneven slice spacing (1.10-7.40 mm" in note) == bool(gaps)
+    assert (f"gantry tilt of {abs(tilt_deg):.1f} deg" in note) == bool(tilt_deg)
+
+
+def test_a_regular_series_is_read_as_before_without_a_slice_map(case):
+    ct = read_ct_series(case["image_dir"], resample=True)
+    plain = read_ct_series(case["image_dir"])
+    assert ct.slices is None and plain.slices is None
+    np.testing.assert_array_equal(ct.hu, plain.hu)
+    np.testing.assert_array_equal(ct.affine_lps, plain.affine_lps)
+
+
+def test_a_label_map_on_another_grid_is_not_mapped_back(tmp_path):
+    write_series(uneven_series(), tmp_path)
+    ct = read_ct_series(tmp_path, resample=True)
+    with pytest.raises(ValueError, match="not on the resampled grid"):
+        ct.slices.to_slices(np.zeros((64, 64, 24), np.uint8))
+
+
+def test_a_tiny_gap_caps_the_grid_at_four_times_the_slices_and_says_so(tmp_path):
+    gaps = (3.0,) * 11 + (0.2,) + (3.0,) * 11  # one slice 0.2 mm above another: a 0.2 mm step would take 330 planes
+    write_series(uneven_series(gaps=gaps), tmp_path)
+    ct = read_ct_series(tmp_path, resample=True)
+    assert ct.hu.shape[2] == 4 * 24
+    np.testing.assert_allclose(ct.spacing[2], sum(gaps) / (4 * 24 - 1))
+    assert "4x the slices at most, so above the smallest gap" in ct.notes[-1]
+
+
+def test_an_uneven_series_off_its_line_by_more_than_half_a_pixel_is_refused(tmp_path):
+    write_series(uneven_series(), tmp_path)
+    ds = pydicom.dcmread(tmp_path / "0010.dcm")
+    ds.ImagePositionPatient = [ds.ImagePositionPatient[0] + 1.5, *ds.ImagePositionPatient[1:]]  # 3/4 of a pixel
+    ds.save_as(tmp_path / "0010.dcm")
+    with pytest.raises(DicomCaseError, match=r"do not lie on one straight line \(off by 1\.50 mm\)"):
+        read_ct_series(tmp_path, resample=True)

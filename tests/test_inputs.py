@@ -7,7 +7,8 @@ import shutil
 
 import numpy as np
 import pytest
-from scripts.inputs import InferenceInputError, find_inputs
+from dicom_factory import uneven_series, write_series
+from scripts.inputs import InferenceInputError, LoadCased, find_inputs, slice_map_of
 
 
 def tcia_tree(small_cases, root, patients):
@@ -74,3 +75,27 @@ def test_a_failure_is_reported_with_our_message_not_the_library_error_under_it()
     except RuntimeError as err:
         assert root_message(err) == "/x/1-08.dcm: pixel data cannot be read: the file is cut or damaged"
     assert root_message(RuntimeError("x")) == "RuntimeError: x"
+
+
+def test_an_uneven_tilted_series_passes_its_check_and_loads_on_an_equal_step_grid_with_its_slice_map(tmp_path):
+    """The series is accepted as acquired; LoadCased gives the equal-step orthogonal grid (RAS) and records in the
+    metadata where each of its 24 slices lies in it, as slice_map_of reads it back."""
+    series = uneven_series(18.5)
+    write_series(series, tmp_path / "GE")
+    (case,) = find_inputs(tmp_path)
+    image = LoadCased("image")(case)["image"]
+    slices = slice_map_of(image.meta)
+    assert slices is not None and len(slices.origins) == 24 and slices.shape == (64, 64)
+    assert tuple(image.shape[1:]) == slices.grid_shape and slices.grid_shape[1] > 64  # widened for the tilt
+    step = np.asarray(image.affine)[:3, 2]
+    np.testing.assert_allclose(step[:2], 0.0, atol=1e-6)
+    assert 0 < step[2] <= min(series.gaps) + 1e-6
+    np.testing.assert_allclose(slices.origins[:, 2] * step[2], series.positions()[:, 2] - series.positions()[0, 2])
+    assert slice_map_of({}) is None
+
+
+def test_an_uneven_series_with_an_instance_number_gap_fails_its_check_as_a_missing_slice(tmp_path):
+    write_series(uneven_series(), tmp_path / "GE")
+    (tmp_path / "GE" / "0013.dcm").unlink()
+    with pytest.raises(InferenceInputError, match=r"InstanceNumber jumps from 12 to 14.*download the series again"):
+        find_inputs(tmp_path)

@@ -1,12 +1,16 @@
 """What inference writes per case: ``<out>/<case>/<case>_seg.nii.gz`` as uint8 labels on the input's original grid
 (``original_affine``, not the network's grid), the structure volumes in the log, and for DICOM input a
 ``<case>_seg.dcm`` that highdicom reads back with the same voxels; nothing when disabled; and the one line printed at
-the end with the number of cases and of skipped cases."""
+the end with the number of cases and of skipped cases. A series acquired at uneven spacing (and with a gantry tilt),
+inferred through LoadCased, collation, the preprocessing's geometry and its inversion: its SEG (highdicom) and
+RTSTRUCT (pydicom by hand) on every original instance with the tumour where the independent writer put it, in mm."""
 
 from __future__ import annotations
 
 import json
 import logging
+import shutil
+import subprocess
 from pathlib import Path
 
 import highdicom as hd
@@ -15,8 +19,23 @@ import numpy as np
 import pydicom
 import pytest
 import torch
+from dicom_factory import TUMOUR_HU, tumour_centre_of, uneven_series, write_series
 from ignite.engine import Engine
-from monai.data import MetaTensor
+from monai.data import DataLoader, MetaTensor
+from monai.inferers import SlidingWindowInferer
+from monai.transforms import (
+    Activationsd,
+    AsDiscreted,
+    Compose,
+    CropForegroundd,
+    EnsureChannelFirstd,
+    Invertd,
+    Orientationd,
+    Spacingd,
+    SpatialPadd,
+)
+from scripts.evaluators import CaseByCaseEvaluator
+from scripts.inputs import CaseDataset, LoadCased, find_inputs
 from scripts.outputs import InferenceSummary, SaveCased
 from scripts.synthetic import write_case
 
@@ -157,3 +176,157 @@ def test_summary_without_a_report_counts_each_run_afresh(tmp_path, capsys):
     first, second = capsys.readouterr().out.splitlines()
     assert first.startswith("inferred 2 case(s)") and second.startswith("inferred 4 case(s)")
     assert first.endswith("failed 0, skipped 0 (see inference_report.json)")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# series acquired at uneven spacing (and with a gantry tilt): predicted on an equal-step grid, written on their slices
+
+TUMOUR = TUMOUR_HU / 2  # the stand-in network's threshold (HU)
+
+
+class Threshold(torch.nn.Module):
+    """The network's stand-in: two-class logits that mark the synthetic tumour (brighter than the body around it)."""
+
+    def forward(self, image: torch.Tensor) -> torch.Tensor:
+        score = (image - TUMOUR) / 10.0
+        return torch.cat([-score, score], dim=1)
+
+
+@pytest.fixture(scope="module")
+def uneven_inferred(tmp_path_factory) -> dict:
+    """Two series written with known positions (tests/dicom_factory.py, no geometry shared with the reader) -- at
+    uneven spacing, and at uneven spacing with an 18.5 degree gantry tilt -- inferred as inference.yaml does it:
+    find_inputs, CaseDataset with LoadCased and the CT preprocessing's geometry, a DataLoader (collation), the case by
+    case evaluator with a sliding window, the softmax inverted onto LoadCased's grid, argmax, SaveCased."""
+    tmp = tmp_path_factory.mktemp("uneven")
+    series = {"UNEVEN": uneven_series(patient_id="UNEVEN"), "TILTED": uneven_series(18.5, patient_id="TILTED")}
+    for name, s in series.items():
+        write_series(s, tmp / "in" / name)
+    preprocessing = Compose([
+        EnsureChannelFirstd("image"), Orientationd("image", axcodes="RAS"), Spacingd("image", pixdim=(1.0, 1.0, 3.0)),
+        CropForegroundd("image", "image", select_fn=lambda x: x > -500, margin=8, allow_smaller=True),
+        SpatialPadd("image", (64, 64, 64)),
+    ])  # fmt: skip
+    save = SaveCased("pred", tmp / "out", ["GTV-1"], write_rtstruct=True, write_sr=True, write_report=True)
+    postprocessing = Compose([
+        Activationsd("pred", softmax=True),
+        Invertd("pred", transform=preprocessing, orig_keys="image", nearest_interp=False, to_tensor=True),
+        AsDiscreted("pred", argmax=True), save,
+    ])  # fmt: skip
+    cases = find_inputs(tmp / "in", tmp / "out")
+    loader = DataLoader(CaseDataset(cases, transform=preprocessing, load=LoadCased("image")), batch_size=1)
+    evaluator = CaseByCaseEvaluator(
+        device=torch.device("cpu"), val_data_loader=loader, network=Threshold(), postprocessing=postprocessing,
+        inferer=SlidingWindowInferer(roi_size=(64, 64, 64), sw_batch_size=1),
+    )  # fmt: skip
+    evaluator.run()
+    assert evaluator.failures == []
+    return {"out": tmp / "out", "in": tmp / "in", "series": series}
+
+
+def ct_headers(image_dir: Path) -> dict[str, pydicom.Dataset]:
+    """The CT headers by SOP Instance UID, read with pydicom alone."""
+    headers = [pydicom.dcmread(p, stop_before_pixels=True) for p in sorted(image_dir.glob("*.dcm"))]
+    return {str(ds.SOPInstanceUID): ds for ds in headers}
+
+
+def centroid_lps(masks: dict[str, np.ndarray], headers: dict[str, pydicom.Dataset]) -> np.ndarray:
+    """Mean LPS position (mm) of the pixels of ``masks`` ({instance: [row, column]}), each slice placed by its own
+    header: ImagePositionPatient, ImageOrientationPatient, PixelSpacing."""
+    points = []
+    for uid, mask in masks.items():
+        ds = headers[uid]
+        iop = np.asarray(ds.ImageOrientationPatient, dtype=float)
+        row_spacing, column_spacing = (float(v) for v in ds.PixelSpacing)
+        rows, columns = np.nonzero(mask)
+        points.append(np.asarray(ds.ImagePositionPatient, dtype=float) + np.outer(columns * column_spacing, iop[:3])
+                      + np.outer(rows * row_spacing, iop[3:]))  # fmt: skip
+    return np.vstack(points).mean(0)
+
+
+def truth_masks(series) -> dict[str, np.ndarray]:
+    """The writer's tumour on each of its slices ({instance: [row, column]}), from its own geometry."""
+    return {series.uid(f"sop{k}"): series.tumour(k) for k in range(series.shape[2])}
+
+
+def overlap(found: dict[str, np.ndarray], truth: dict[str, np.ndarray]) -> float:
+    """Dice of two sets of per-instance masks."""
+    both = sum(int((found[uid] & truth[uid]).sum()) for uid in truth)
+    return 2.0 * both / (sum(int(m.sum()) for m in found.values()) + sum(int(m.sum()) for m in truth.values()))
+
+
+@pytest.mark.parametrize("case", ["UNEVEN", "TILTED"])
+def test_an_uneven_series_gets_a_seg_on_every_original_slice_with_the_tumour_where_the_writer_put_it(
+    uneven_inferred, case
+):
+    """highdicom reads the SEG: it references all 24 instances, each frame sits at its instance's own position, and
+    the tumour's centroid (placed slice by slice from the CT headers) is within a millimetre of the truth's."""
+    series, headers = uneven_inferred["series"][case], ct_headers(uneven_inferred["in"] / case)
+    seg = hd.seg.segread(uneven_inferred["out"] / case / f"{case}_seg.dcm")
+    referenced = {str(i.ReferencedSOPInstanceUID) for i in seg.ReferencedSeriesSequence[0].ReferencedInstanceSequence}
+    assert referenced == set(headers) and len(headers) == 24
+    for frame in seg.PerFrameFunctionalGroupsSequence:
+        uid = str(frame.DerivationImageSequence[0].SourceImageSequence[0].ReferencedSOPInstanceUID)
+        position = np.asarray(frame.PlanePositionSequence[0].ImagePositionPatient, dtype=float)
+        np.testing.assert_allclose(position, np.asarray(headers[uid].ImagePositionPatient, dtype=float), atol=1e-3)
+    uids = list(truth_masks(series))
+    pixels = seg.get_pixels_by_source_instance(uids, segment_numbers=[1], assert_missing_frames_are_empty=True)
+    found = {uid: pixels[k, :, :, 0] > 0 for k, uid in enumerate(uids)}
+    truth = truth_masks(series)
+    assert overlap(found, truth) >= 0.9
+    np.testing.assert_allclose(centroid_lps(found, headers), centroid_lps(truth, headers), atol=1.0)  # mm
+    np.testing.assert_allclose(centroid_lps(found, headers), series.tumour_centre, atol=2.0)  # a pixel
+
+
+@pytest.mark.parametrize("case", ["UNEVEN", "TILTED"])
+def test_an_uneven_series_gets_rtstruct_contours_on_its_own_slices_around_the_tumour(uneven_inferred, case):
+    """The RTSTRUCT read with pydicom by hand: it lists every instance, each contour lies in the plane of the instance
+    it references, and the contours filled on those slices cover the writer's tumour."""
+    from skimage.draw import polygon
+
+    series, headers = uneven_inferred["series"][case], ct_headers(uneven_inferred["in"] / case)
+    ds = pydicom.dcmread(uneven_inferred["out"] / case / f"{case}_rtstruct.dcm")
+    series_item = ds.ReferencedFrameOfReferenceSequence[0].RTReferencedStudySequence[0].RTReferencedSeriesSequence[0]
+    assert {str(i.ReferencedSOPInstanceUID) for i in series_item.ContourImageSequence} == set(headers)
+    found = {uid: np.zeros((64, 64), bool) for uid in headers}
+    for contour in ds.ROIContourSequence[0].ContourSequence:
+        uid = str(contour.ContourImageSequence[0].ReferencedSOPInstanceUID)
+        ct = headers[uid]
+        iop = np.asarray(ct.ImageOrientationPatient, dtype=float)
+        offset = np.asarray(contour.ContourData, dtype=float).reshape(-1, 3) - np.asarray(ct.ImagePositionPatient)
+        np.testing.assert_allclose(offset @ np.cross(iop[:3], iop[3:]), 0.0, atol=1e-3)  # in the slice's plane
+        columns, rows = offset @ iop[:3] / float(ct.PixelSpacing[1]), offset @ iop[3:] / float(ct.PixelSpacing[0])
+        filled = np.zeros((64, 64), bool)
+        filled[polygon(rows, columns, (64, 64))] = True
+        found[uid] = found[uid] != filled  # even-odd: a hole inside an outline is left out
+    truth = truth_masks(series)
+    assert overlap(found, truth) >= 0.9
+    np.testing.assert_allclose(centroid_lps(found, headers), centroid_lps(truth, headers), atol=1.0)  # mm
+
+
+@pytest.mark.parametrize("case", ["UNEVEN", "TILTED"])
+def test_an_uneven_series_gets_its_nifti_and_report_on_the_equal_step_grid_and_says_so(uneven_inferred, case):
+    series = uneven_inferred["series"][case]
+    image = nib.load(uneven_inferred["out"] / case / f"{case}_seg.nii.gz")
+    step = image.affine[:3, 2]
+    assert abs(step[2]) <= min(series.gaps) + 1e-6
+    np.testing.assert_allclose(step[:2], 0.0, atol=1e-6 if case == "TILTED" else 1e-2)  # orthogonal
+    label = np.asarray(image.dataobj)
+    np.testing.assert_allclose(tumour_centre_of(label == 1, image.affine), series.tumour_centre, atol=1.0)  # mm
+    report = json.loads((uneven_inferred["out"] / case / f"{case}_report.json").read_text())
+    notes = " ".join(report["notes"])
+    assert "24 slices with uneven slice spacing (1.10-7.40 mm along the slice normal)" in notes
+    assert ("gantry tilt of 18.5 deg" in notes) == (case == "TILTED")
+    assert "resampled" in notes and "labels on the 24 original slices" in notes
+    sphere_ml = 4 / 3 * np.pi * series.tumour_radius**3 / 1000
+    assert report["structures"]["GTV-1"]["volume_ml"] == pytest.approx(sphere_ml, rel=0.1)
+
+
+@pytest.mark.skipif(shutil.which("dciodvfy") is None, reason="dciodvfy (Debian's dicom3tools) is not installed")
+@pytest.mark.parametrize("case", ["UNEVEN", "TILTED"])
+def test_the_dicom_written_for_an_uneven_series_is_valid_for_dciodvfy(uneven_inferred, case):
+    for kind in ("seg", "rtstruct", "sr"):
+        result = subprocess.run(["dciodvfy", str(uneven_inferred["out"] / case / f"{case}_{kind}.dcm")],
+                                capture_output=True, text=True, timeout=60)  # fmt: skip
+        errors = [line for line in (result.stdout + result.stderr).splitlines() if line.startswith("Error")]
+        assert errors == [], (kind, errors)

@@ -14,7 +14,7 @@ import numpy as np
 import pydicom
 import pytest
 import scripts.prepare
-from dicom_factory import Series, transcode, tumour_centre_of
+from dicom_factory import Series, transcode, tumour_centre_of, uneven_series
 from dicom_factory import write_case as write_factory_case
 from scripts.prepare import PrepareError, find_cases, prepare, split_cases
 from scripts.synthetic import tumour_contains, write_case
@@ -235,6 +235,8 @@ def realworld(tmp_path_factory):
         "GOOD": Series(patient_id="GOOD"),
         "SMALL-TILT": Series(patient_id="SMALL-TILT", tilt_deg=0.6),
         "TILTED": Series(patient_id="TILTED", tilt_deg=15.0),
+        "UNEVEN": uneven_series(patient_id="UNEVEN"),
+        "UNEVEN-TILTED": uneven_series(18.5, patient_id="UNEVEN-TILTED"),
         "NO-RESCALE": Series(patient_id="NO-RESCALE"),
         "CLUTTER": Series(patient_id="CLUTTER"),
         "JPEG-LOSSLESS": Series(patient_id="JPEG-LOSSLESS"),
@@ -300,6 +302,17 @@ def test_a_tilted_series_is_refused_and_a_barely_tilted_one_is_placed_in_millime
     centre = tumour_centre_of(np.asarray(label.dataobj), label.affine)
     np.testing.assert_allclose(centre, cases["SMALL-TILT"].tumour_centre, atol=0.5)  # mm, independent truth
     assert any("sideways" in note for note in records["SMALL-TILT"]["notes"])
+
+
+def test_an_uneven_series_is_refused_for_training_naming_its_spacing_and_tilt_not_asking_for_a_download(realworld):
+    _, out, report, _, _ = realworld
+    records = records_of(report)
+    for case_id in ("UNEVEN", "UNEVEN-TILTED"):
+        reason = records[case_id]["reason"]
+        assert records[case_id]["status"] == "rejected" and not (out / "images" / f"{case_id}.nii").exists()
+        assert "uneven slice spacing (1.10-7.40 mm along the slice normal)" in reason, reason
+        assert "download the series again" not in reason and "leave it out, or resample the CT and its labels" in reason
+        assert ("gantry tilt of 18.5 deg" in reason) == (case_id == "UNEVEN-TILTED")
 
 
 def test_missing_rescale_tags_are_refused_not_guessed(realworld):

@@ -1,6 +1,7 @@
 """Reading the collection's DICOM into volumes on the CT's own voxel grid.
 
-* :mod:`~scripts.dicom.ct` -- a CT series folder -> HU volume + LPS affine (checked before any pixel is decoded);
+* :mod:`~scripts.dicom.ct` -- a CT series folder -> HU volume + LPS affine (checked before any pixel is decoded; for
+  inference, a series at uneven spacing or with a gantry tilt on an equal-step grid that maps back to its slices);
 * :mod:`~scripts.dicom.seg` -- a DICOM SEG -> label volume on that CT's grid (sparse SEGs, tolerant names);
 * :mod:`~scripts.dicom.rtstruct` -- an RTSTRUCT -> label volume on that CT's grid (contours rasterised in world mm);
 * :mod:`~scripts.dicom.case` -- both together, as ``scripts.prepare`` writes them;
@@ -12,7 +13,7 @@ Problems raise :class:`DicomCaseError` with a message that names the file and sa
 from scripts.dicom.case import LABEL_SOURCES, CaseVolumes, find_annotation, read_case
 from scripts.dicom.codes import segment_description
 from scripts.dicom.common import LPS_TO_RAS, RTSTRUCT_STORAGE, SEG_STORAGE, DicomCaseError
-from scripts.dicom.ct import CtSeries, read_ct_series, scan_ct_series, to_hu
+from scripts.dicom.ct import CtSeries, SliceMap, read_ct_series, scan_ct_series, to_hu
 from scripts.dicom.rtstruct import find_rtstruct_file, is_rtstruct, read_rtstruct_labels
 from scripts.dicom.seg import find_seg_file, read_seg_labels
 
@@ -24,6 +25,7 @@ __all__ = [
     "CaseVolumes",
     "CtSeries",
     "DicomCaseError",
+    "SliceMap",
     "find_annotation",
     "find_rtstruct_file",
     "find_seg_file",

@@ -1,7 +1,8 @@
 """A predicted label map as a DICOM RTSTRUCT (RT Structure Set), so a treatment planning system can load the
 structures as contours on the CT they were predicted from.
 
-Input: the label map ``[X, Y, Z]`` (uint8, ``i`` = ``names[i - 1]``) on the grid of the CT series in ``image_dir``.
+Input: the label map ``[X, Y, Z]`` (uint8, ``i`` = ``names[i - 1]``) on the slices of the CT series in ``image_dir``
+as acquired (``Z`` = its number of slices, also when they are unevenly spaced or tilted).
 Output: one RTSTRUCT file with
 
 * one ROI per structure (an empty structure keeps its ROI, with no contour), coloured, coded in SNOMED CT like the SEG
@@ -51,9 +52,9 @@ SERIES_NUMBER_OFFSET = 9100  # the SEG takes the CT's series number + 9000
 def write_rtstruct(
     labels: np.ndarray, image_dir: str | Path, names: Sequence[str], path: str | Path, algorithm_version: str
 ) -> pydicom.Dataset:
-    """An RTSTRUCT of the label map ``labels`` [X, Y, Z] (on the grid of the series in ``image_dir``), ROI ``i`` =
+    """An RTSTRUCT of the label map ``labels`` [X, Y, Z] (on the slices of the series in ``image_dir``), ROI ``i`` =
     ``names[i - 1]``, written atomically to ``path`` and returned."""
-    headers, _ = scan_ct_series(image_dir)
+    headers, _ = scan_ct_series(image_dir, resample=True)  # every slice as acquired, whatever its spacing
     slices = [ds for _, ds in headers]
     labels = np.asarray(labels)
     if labels.shape != (int(slices[0].Columns), int(slices[0].Rows), len(slices)):

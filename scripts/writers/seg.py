@@ -30,12 +30,14 @@ def write_dicom_seg(
     path: str | Path,
     algorithm: hd.AlgorithmIdentificationSequence,
 ) -> hd.seg.Segmentation:
-    """A DICOM SEG of the label map ``labels`` [X, Y, Z] (on the grid of the series in ``image_dir``).
+    """A DICOM SEG of the label map ``labels`` [X, Y, Z] on the slices of the series in ``image_dir`` as acquired
+    (``Z`` = its number of slices, even when they are unevenly spaced or tilted: each frame takes its slice's own
+    position from the CT header).
 
     Frame ``k`` annotates the ``k``-th slice along the slice normal, the order :func:`scan_ct_series` sorts by, so
     every frame references the CT instance it lies on. Segment ``i`` is ``names[i - 1]``; empty frames are omitted.
     """
-    headers, _ = scan_ct_series(image_dir)
+    headers, _ = scan_ct_series(image_dir, resample=True)  # every slice as acquired, whatever its spacing
     if labels.shape != (int(headers[0][1].Columns), int(headers[0][1].Rows), len(headers)):
         raise ValueError(f"{image_dir}: prediction shape {labels.shape} does not match the series' grid.")
     source = [ds for _, ds in headers]

@@ -43,7 +43,7 @@ def write_sr(
 ) -> hd.sr.Comprehensive3DSR:
     """A TID 1500 measurement report of ``report`` ({structure: measurements}) on the CT series ``ct`` (its folder or
     its headers), referencing the segments of ``seg`` by name (None: the CT itself), written atomically to ``path``."""
-    slices = [ds for _, ds in scan_ct_series(ct)[0]] if isinstance(ct, str | Path) else list(ct)
+    slices = [ds for _, ds in scan_ct_series(ct, resample=True)[0]] if isinstance(ct, str | Path) else list(ct)
     seg_ds = pydicom.dcmread(seg, stop_before_pixels=True) if isinstance(seg, str | Path) else seg
     if seg_ds is not None and str(seg_ds.SOPClassUID) != SEG_STORAGE:
         raise ValueError(f"{seg}: not a DICOM SEG (SOP class {seg_ds.SOPClassUID}); pass the SEG or None.")
