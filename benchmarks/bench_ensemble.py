@@ -8,7 +8,8 @@ Only the NIfTI label map is written (no DICOM SEG, RTSTRUCT, SR or report), so t
 pipeline's around it. A first untimed run warms the process up (thread pools, allocator)::
 
     python -m benchmarks.bench_ensemble [--cases 2] [--shape "[128,128,40]"] [--models 5] [--tta_axes "[0,1,2]"]
-                                        [--output_dir DIR] [--json_out FILE]
+                                        [--inference_backend auto|torch|onnxruntime] [--output_dir DIR]
+                                        [--json_out FILE]
 
 Per variant: seconds per case for the whole case (read DICOM, preprocess, sliding window, invert, write) and for the
 network alone (the sliding window's forward passes, timed by hooks), and the whole-case time relative to one model.
@@ -27,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = [str(ROOT / "configs" / name) for name in ("train.yaml", "demo.yaml", "inference.yaml")]
+CONFIGS = [str(ROOT / "configs" / name) for name in ("inference.yaml", "demo.yaml")]
 
 
 def main(
@@ -35,18 +36,21 @@ def main(
     shape: Sequence[int] = (128, 128, 40),
     models: int = 5,
     tta_axes: Sequence[int] = (0, 1, 2),
+    inference_backend: str = "auto",
     output_dir: str | None = None,
     json_out: str | None = None,
 ) -> dict[str, Any]:
-    """Write the cases and the weights, time the three variants, print a table."""
+    """Write the cases and the weights, time the three variants, print a table (``inference_backend`` as in the
+    config: auto is ONNX Runtime on a CPU, each weight file exported once before the timed runs)."""
     folder = Path(output_dir) if output_dir else Path(tempfile.mkdtemp(prefix="bench_ensemble_"))
     try:
         inputs = _write_cases(folder / "in", int(cases), shape)
         ensemble_dir = _write_weights(folder / "cv", int(models))
-        single = {"model_path": str(ensemble_dir / "fold_0" / "model.pt")}
-        variants = [("1 model", single), (f"{models}-model ensemble", {"model_paths": str(ensemble_dir)}),
-                    (f"{models}-model ensemble + TTA", {"model_paths": str(ensemble_dir), "tta": True,
-                                                        "tta_axes": list(tta_axes)})]  # fmt: skip
+        single = {"model_path": str(ensemble_dir / "fold_0" / "model.pt"), "inference_backend": inference_backend}
+        ensemble = {"model_paths": str(ensemble_dir), "inference_backend": inference_backend}
+        with_tta = {**ensemble, "tta": True, "tta_axes": list(tta_axes)}
+        variants = [("1 model", single), (f"{models}-model ensemble", ensemble),
+                    (f"{models}-model ensemble + TTA", with_tta)]  # fmt: skip
         _infer(inputs, folder / "warm_up", single)  # untimed: the first run pays the process's one-time costs
         report: dict[str, Any] = {"cases": int(cases), "shape": list(shape), "cpus": os.cpu_count(), "rows": []}
         for name, settings in variants:

@@ -71,14 +71,18 @@ class Models:
         step.converter.applied_labels = step.converter.applied_labels if kept > 0 else ()
         return [*head, step]
 
-    def record(self, tta_axes: Sequence[int] | None, keep_largest_components: int) -> dict[str, str]:
+    def record(
+        self, tta_axes: Sequence[int] | None, keep_largest_components: int, backend: str = "torch"
+    ) -> dict[str, str]:
         """What made a prediction, for the DICOM SEG's algorithm parameters and the reports: each weight file with
-        the start of its SHA-256, the TTA and the post-processing (no ``,`` or ``=``, DICOM's separators)."""
+        the start of its SHA-256, the TTA, the post-processing and the backend that ran the network, with its version
+        (no ``,`` or ``=``, DICOM's separators)."""
         files = "; ".join(f"{path} (sha256 {file_sha256(path)[:16]})" for path in self.paths)
         flips = mirror_flips(tta_axes)
         tta = "none" if len(flips) == 1 else f"mirror axes {'+'.join(map(str, tta_axes))} ({len(flips)} passes)"
         record = {"models": files, "num_models": str(len(self.paths)), "tta": tta,
-                  "keep_largest_components": str(int(keep_largest_components))}  # fmt: skip
+                  "keep_largest_components": str(int(keep_largest_components)),
+                  "backend": _backend_version(backend)}  # fmt: skip
         return {k: v.replace(",", ";").replace("=", ":") for k, v in record.items()}
 
 
@@ -167,19 +171,47 @@ class EnsembleNetwork(torch.nn.Module):
 
 
 def ensemble(
-    network: torch.nn.Module, models: Models, labels: Sequence[str] | None = None, tta_axes: Sequence[int] | None = None
+    network: torch.nn.Module,
+    models: Models,
+    labels: Sequence[str] | None = None,
+    tta_axes: Sequence[int] | None = None,
+    backend: str = "torch",
+    window: Sequence[int] | None = None,
+    cache_dir: str | Path | None = None,
+    threads: int | None = None,
 ) -> torch.nn.Module:
     """``network`` with the weights of ``models`` loaded: itself for one model without TTA, else an
     :class:`EnsembleNetwork` of ``network`` and deep copies of it, one per weight file (each checked against
-    ``labels`` by :func:`scripts.weights.load_weights`)."""
+    ``labels`` by :func:`scripts.weights.load_weights`).
+
+    ``backend="onnxruntime"``: each model is run by ONNX Runtime instead (:func:`scripts.backends.onnx_network`:
+    exported once per weights file at the sliding ``window``'s shape, cached in ``cache_dir`` or beside the weights,
+    ``threads`` intra-op threads), inside the same ensemble and TTA."""
     flips = mirror_flips(tta_axes)
-    if len(models.paths) == 1 and len(flips) == 1:
-        return load_weights(network, models.paths[0], labels=labels)
-    members = [load_weights(network if i == 0 else copy.deepcopy(network), path, labels=labels)
-               for i, path in enumerate(models.paths)]  # fmt: skip
-    logger.info("ensemble of %d model(s) x %d mirror pass(es): %s", len(members), len(flips),
+    members = []
+    for i, path in enumerate(models.paths):
+        member = load_weights(network if i == 0 else copy.deepcopy(network), path, labels=labels)
+        if backend == "onnxruntime":
+            from scripts.backends import onnx_network
+
+            if window is None:
+                raise ValueError("backend onnxruntime: give the sliding window's shape (window=roi_size).")
+            member = onnx_network(member, path, window, cache_dir, threads)
+        members.append(member)
+    if len(members) == 1 and len(flips) == 1:
+        return members[0]
+    logger.info("ensemble of %d model(s) x %d mirror pass(es) (%s): %s", len(members), len(flips), backend,
                 ", ".join(map(str, models.paths)))  # fmt: skip
     return EnsembleNetwork(members, flips)
+
+
+def _backend_version(backend: str) -> str:
+    """``torch 2.13.0`` or ``onnxruntime 1.32.0``: the backend that ran the network."""
+    if backend == "onnxruntime":
+        import onnxruntime
+
+        return f"onnxruntime {onnxruntime.__version__}"
+    return f"torch {torch.__version__}"
 
 
 def file_sha256(path: str | Path) -> str:

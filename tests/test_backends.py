@@ -1,0 +1,172 @@
+"""The ONNX Runtime backend: which backend runs where, the export cached beside the weights (used again, exported
+anew when the weights or settings change, refused when corrupt), its outputs equal to PyTorch's inside the sliding
+window, an ensemble and mirror TTA, and its thread count taken from the CPUs the process may use.
+
+A small 3-D network (convolutions, instance norm, leaky ReLU, as SwinUNETR's blocks) stands in for SwinUNETR here:
+the mechanics do not depend on its size; tests/test_workflow_inference.py runs the demo's SwinUNETR through both.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import numpy as np
+import pytest
+import torch
+from monai.inferers import SlidingWindowInferer
+from scripts.backends import BackendError, OnnxNetwork, _cgroup_cpu_quota, onnx_network, resolve, usable_cpus
+from scripts.ensemble import EnsembleNetwork, Models, ensemble, mirror_flips
+
+WINDOW = (16, 16, 8)
+
+
+def small_network(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Conv3d(1, 4, 3, padding=1), torch.nn.InstanceNorm3d(4), torch.nn.LeakyReLU(0.01),
+        torch.nn.Conv3d(4, 2, 1),
+    ).eval()  # fmt: skip
+
+
+def saved(network: torch.nn.Module, path) -> tuple[torch.nn.Module, object]:
+    torch.save(network.state_dict(), path)
+    return network, path
+
+
+@pytest.fixture
+def exports(caplog):
+    """The messages that say an export happened."""
+    caplog.set_level(logging.INFO, logger="scripts.backends")
+    return lambda: [r for r in caplog.records if r.getMessage().startswith("exporting ")]
+
+
+def test_auto_is_onnxruntime_on_a_cpu_and_torch_on_a_gpu_and_onnxruntime_on_a_gpu_is_refused():
+    assert resolve("auto", torch.device("cpu")) == "onnxruntime"
+    assert resolve("auto", torch.device("cuda:0")) == "torch"
+    assert resolve("TORCH", "cpu") == "torch"
+    with pytest.raises(BackendError, match="runs on the CPU, but device is cuda:1: use --inference_backend torch"):
+        resolve("onnxruntime", "cuda:1")
+    with pytest.raises(BackendError, match="inference_backend='tensorrt': choose one of torch, onnxruntime, auto"):
+        resolve("tensorrt", "cpu")
+
+
+def test_the_export_is_cached_beside_the_weights_and_gives_torchs_output_for_any_batch(tmp_path, exports):
+    network, weights = saved(small_network(0), tmp_path / "model.pt")
+    first = onnx_network(network, weights, WINDOW)
+    second = onnx_network(network, weights, WINDOW)
+    assert len(exports()) == 1, "exported once, then read from the cache"
+    assert first.model_file == tmp_path / "model.pt.onnx" and (tmp_path / "model.pt.onnx.json").is_file()
+    for batch in (1, 3):  # the sliding window's last batch may be short
+        x = torch.rand(batch, 1, *WINDOW, generator=torch.Generator().manual_seed(batch))
+        with torch.no_grad():
+            torch.testing.assert_close(second(x), network(x), rtol=1e-4, atol=1e-5)
+
+
+def test_new_weights_or_another_window_are_exported_anew(tmp_path, exports):
+    network, weights = saved(small_network(0), tmp_path / "model.pt")
+    onnx_network(network, weights, WINDOW)
+    retrained, _ = saved(small_network(1), weights)  # the same file name, other weights
+    again = onnx_network(retrained, weights, WINDOW)
+    x = torch.rand(1, 1, *WINDOW, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(again(x), retrained(x), rtol=1e-4, atol=1e-5)
+    onnx_network(retrained, weights, (16, 16, 16))
+    assert len(exports()) == 3, "the stale cache was exported anew each time"
+    assert json.loads((tmp_path / "model.pt.onnx.json").read_text())["window"] == [16, 16, 16]
+
+
+def test_a_corrupt_cache_is_refused_naming_what_to_delete(tmp_path):
+    network, weights = saved(small_network(0), tmp_path / "model.pt")
+    model_file = onnx_network(network, weights, WINDOW).model_file
+    data = bytearray(model_file.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped byte, as a bad disk or a cut copy leaves it
+    model_file.write_bytes(bytes(data))
+    corrupt = r"model\.pt\.onnx: the cached ONNX model is corrupt .* delete model\.pt\.onnx and model\.pt\.onnx\.json"
+    with pytest.raises(BackendError, match=corrupt):
+        onnx_network(network, weights, WINDOW)
+    (tmp_path / "model.pt.onnx.json").write_text("{not json")  # no record of what the cache holds: exported anew
+    again = onnx_network(network, weights, WINDOW)
+    x = torch.rand(1, 1, *WINDOW, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(again(x), network(x), rtol=1e-4, atol=1e-5)
+
+
+def test_a_cache_folder_that_cannot_be_written_says_what_to_pass(tmp_path):
+    network, weights = saved(small_network(0), tmp_path / "model.pt")
+    blocked = tmp_path / "a_file"
+    blocked.write_text("not a folder")
+    with pytest.raises(BackendError, match=r"a_file/sub: cannot keep the ONNX export of model\.pt there .* "
+                       r"--onnx_cache_dir <a writable folder>, or --inference_backend torch"):  # fmt: skip
+        onnx_network(network, weights, WINDOW, cache_dir=blocked / "sub")
+    elsewhere = onnx_network(network, weights, WINDOW, cache_dir=tmp_path / "cache")
+    assert elsewhere.model_file == tmp_path / "cache" / "model.pt.onnx"
+
+
+def test_an_ensemble_with_mirror_tta_in_the_sliding_window_agrees_with_torch(tmp_path):
+    """Two models and 8 mirrored passes each, run by ONNX Runtime and by PyTorch over a volume larger than a window:
+    probabilities within 1e-3, labels equal on at least 99.9 % of the voxels."""
+    paths = []
+    for seed in (0, 1):
+        _, path = saved(small_network(seed), tmp_path / f"fold_{seed}.pt")
+        paths.append(path)
+    models, flips = Models(tuple(paths)), mirror_flips([0, 1, 2])
+    ours = ensemble(small_network(9), models, tta_axes=[0, 1, 2], backend="onnxruntime", window=WINDOW)
+    assert isinstance(ours, EnsembleNetwork) and all(isinstance(m, OnnxNetwork) for m in ours.models)
+    assert len(ours.flips) == len(flips) == 8
+    reference = ensemble(small_network(9), models, tta_axes=[0, 1, 2])
+    volume = torch.rand(1, 1, 40, 36, 20, generator=torch.Generator().manual_seed(3))
+    inferer = SlidingWindowInferer(WINDOW, sw_batch_size=3, overlap=0.25)
+    with torch.no_grad():
+        got, want = torch.softmax(inferer(volume, ours), 1), torch.softmax(inferer(volume, reference), 1)
+    assert float((got - want).abs().max()) < 1e-3
+    assert float((got.argmax(1) == want.argmax(1)).float().mean()) >= 0.999
+
+
+def test_threads_are_the_cpus_this_process_may_use(tmp_path, monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5}, raising=False)
+    monkeypatch.setattr("scripts.backends._cgroup_cpu_quota", lambda: None)
+    assert usable_cpus() == 6, "the affinity mask (taskset, SLURM's binding)"
+    monkeypatch.setattr("scripts.backends._cgroup_cpu_quota", lambda: 2.5)
+    assert usable_cpus() == 3, "a container's CPU quota (Docker --cpus 2.5), rounded up"
+    network, weights = saved(small_network(0), tmp_path / "model.pt")
+    session = onnx_network(network, weights, WINDOW).session
+    assert session.get_session_options().intra_op_num_threads == 3
+    assert onnx_network(network, weights, WINDOW, threads=1).session.get_session_options().intra_op_num_threads == 1
+
+
+@pytest.mark.parametrize(
+    ("files", "quota"),
+    [({"cpu.max": "150000 100000\n"}, 1.5), ({"cpu.max": "max 100000\n"}, None),
+     ({"cpu/cpu.cfs_quota_us": "200000\n", "cpu/cpu.cfs_period_us": "100000\n"}, 2.0),
+     ({"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, None), ({}, None)],
+    ids=["cgroup2 quota", "cgroup2 no quota", "cgroup1 quota", "cgroup1 no quota", "no cgroup"],
+)  # fmt: skip
+def test_the_cgroup_cpu_quota_is_read_from_both_cgroup_versions(tmp_path, files, quota):
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert _cgroup_cpu_quota(tmp_path) == quota
+
+
+def test_a_failed_export_says_so_in_one_line_and_leaves_no_cache(tmp_path, monkeypatch):
+    def fails(*args, **kwargs):
+        raise RuntimeError("Unsupported: an operator the exporter has no translation for\n" + "graph(...)\n" * 500)
+
+    monkeypatch.setattr(torch.onnx, "export", fails)
+    network, weights = saved(small_network(0), tmp_path / "model.pt")
+    with pytest.raises(BackendError, match=r"model\.pt: exporting the network to ONNX failed \(RuntimeError: "
+                       r"Unsupported: an operator the exporter has no translation for\); run with --inference_backend "
+                       r"torch\.$"):  # fmt: skip
+        onnx_network(network, weights, WINDOW)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.pt", "model.pt.onnx.lock"], "no half-written file"
+
+
+def test_an_onnx_network_has_no_parameters_and_returns_float32_logits_on_the_cpu(tmp_path):
+    network, weights = saved(small_network(0), tmp_path / "model.pt")
+    onnx = onnx_network(network, weights, WINDOW)
+    assert list(onnx.parameters()) == [] and "threads=" in repr(onnx)
+    out = onnx.eval()(torch.rand(2, 1, *WINDOW, dtype=torch.float64))
+    assert out.dtype == torch.float32 and out.device.type == "cpu" and tuple(out.shape) == (2, 2, *WINDOW)
+    assert np.isfinite(out.numpy()).all()
