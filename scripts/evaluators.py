@@ -3,15 +3,18 @@
 :class:`CaseByCaseEvaluator` is MONAI's ``SupervisedEvaluator`` (same arguments, same handlers) with each iteration
 -- one case: ``batch_size`` 1 -- run on its own. A case whose loading failed arrives as a failure record from
 :class:`scripts.inputs.CaseDataset` (stage ``read`` or ``preprocess``); a case whose prediction, inversion or writing
-raises fails at stage ``predict``, ``postprocess`` or ``write``. Either way the case is appended to ``failures``
-(case id, input, stage, the error's own message), the handlers see an empty output for it (no metric, no row), the
-writer has already removed its partial outputs, and the next case runs. An out-of-memory error in one case is one
-failed case, not a dead run.
+raises fails at stage ``predict``, ``postprocess`` or ``write`` -- or at the stage an error names itself by a ``stage``
+attribute (``scripts.dicomweb``'s store errors: ``store``). Either way the case is appended to ``failures`` (case id,
+input, stage, the error's own message), the handlers see an empty output for it (no metric, no row), the writer has
+already removed its partial outputs, and the next case runs. An out-of-memory error in one case is one failed case,
+not a dead run. ``on_case_done`` is called with each case once it is finished, done or failed (e.g. to remove the
+temporary folder it was retrieved into).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from ignite.engine import Engine
@@ -27,7 +30,7 @@ logger = logging.getLogger(__name__)
 class CaseByCaseEvaluator(SupervisedEvaluator):
     """``SupervisedEvaluator`` that records a failing case and goes on (see the module docstring)."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, on_case_done: Callable[[dict], Any] | None = None, **kwargs: Any) -> None:
         for metric in [
             *(kwargs.get("key_val_metric") or {}).values(),
             *(kwargs.get("additional_metrics") or {}).values(),
@@ -35,6 +38,7 @@ class CaseByCaseEvaluator(SupervisedEvaluator):
             _count_only_cases_that_ran(metric)
         super().__init__(*args, **kwargs)
         self.failures: list[dict] = []
+        self.on_case_done = on_case_done
         self._stage = "predict"
         self.add_event_handler(IterationEvents.FORWARD_COMPLETED, self._predicted)
 
@@ -43,14 +47,25 @@ class CaseByCaseEvaluator(SupervisedEvaluator):
 
     def _iteration(self, engine: Engine, batchdata: dict) -> Any:
         item = _single(batchdata)
-        if item.get("failure_stage"):
-            return self._fail(engine, item, item["failure_stage"], item["failure_reason"])
-        self._stage = "predict"
         try:
-            return super()._iteration(engine, batchdata)
-        except Exception as err:  # one case's failure must not end the run
-            stage = "write" if _caused_by(err, CaseOutputError) else self._stage
-            return self._fail(engine, item, stage, failure_record(item, stage, err)["failure_reason"])
+            if item.get("failure_stage"):
+                return self._fail(engine, item, item["failure_stage"], item["failure_reason"])
+            self._stage = "predict"
+            try:
+                return super()._iteration(engine, batchdata)
+            except Exception as err:  # one case's failure must not end the run
+                stage = _stage_of(err, self._stage)
+                return self._fail(engine, item, stage, failure_record(item, stage, err)["failure_reason"])
+        finally:
+            self._case_done(item)
+
+    def _case_done(self, item: dict) -> None:
+        if self.on_case_done is None:
+            return
+        try:
+            self.on_case_done(item)
+        except Exception as err:  # tidying up after a case must not end the run either
+            logger.warning("case %s: after the case: %s", item.get("case_id", "?"), err)
 
     def _fail(self, engine: Engine, item: dict, stage: str, reason: str) -> list:
         record = {k: item[k] for k in ("case_id", "source", "image") if isinstance(item.get(k), str)}
@@ -61,13 +76,17 @@ class CaseByCaseEvaluator(SupervisedEvaluator):
         return []
 
 
-def _caused_by(error: BaseException | None, kind: type) -> bool:
-    """Whether ``error`` or an error it was raised from is a ``kind`` (MONAI wraps transform errors)."""
+def _stage_of(error: BaseException | None, default: str) -> str:
+    """The stage a failure belongs to: ``write`` for the writer's errors, the ``stage`` an error in the chain names
+    (MONAI wraps transform errors), else ``default`` (where the case had got to)."""
     while error is not None:
-        if isinstance(error, kind):
-            return True
+        if isinstance(error, CaseOutputError):
+            return "write"
+        stage = getattr(error, "stage", None)
+        if isinstance(stage, str) and stage:
+            return stage
         error = error.__cause__
-    return False
+    return default
 
 
 def _count_only_cases_that_ran(metric: Metric) -> None:

@@ -49,26 +49,32 @@ class FullDiskFor(SaveCased):
         return files
 
 
-@pytest.fixture
-def run(tmp_path):
-    data = [{"case_id": c, "image": f"/data/{c}", "source": "nifti", "source_path": f"/data/{c}"} for c in CASES]
-    write_report(tmp_path, {"cases": [{**d, "status": "pending"} for d in data], "skipped": []})
-    (tmp_path / "unwritable").mkdir()
-    (tmp_path / "unwritable" / "earlier.txt").write_text("outputs of an earlier run")
-    writer = FullDiskFor("unwritable", keys="pred", output_dir=tmp_path, labels=["GTV-1"], write_seg=False)
-
+def evaluated(names: list[str], out, after_writing, **kwargs) -> CaseByCaseEvaluator:
+    """The cases ``names`` (pending in ``out``'s inference_report.json) run case by case, ``after_writing`` being
+    the post-processing after the class decision; ``kwargs`` go to the evaluator."""
+    data = [{"case_id": c, "image": f"/data/{c}", "source": "nifti", "source_path": f"/data/{c}"} for c in names]
+    write_report(out, {"cases": [{**d, "status": "pending"} for d in data], "skipped": []})
     evaluator = CaseByCaseEvaluator(
         device=torch.device("cpu"),
         val_data_loader=DataLoader(CaseDataset(data, load=load), batch_size=1, num_workers=0),
         network=EvenSizesOnly(),
         inferer=SimpleInferer(),
-        postprocessing=Compose([AsDiscreted(keys="pred", argmax=True), writer]),
-        key_val_metric={"dice": MeanDice(output_transform=from_engine(["pred", "label"]), include_background=True)},
-        val_handlers=[InferenceSummary(tmp_path)],
+        postprocessing=Compose([AsDiscreted(keys="pred", argmax=True), after_writing]),
+        val_handlers=[InferenceSummary(out)],
         decollate=True,
+        **kwargs,
     )
     evaluator.run()
-    return tmp_path, evaluator
+    return evaluator
+
+
+@pytest.fixture
+def run(tmp_path):
+    (tmp_path / "unwritable").mkdir()
+    (tmp_path / "unwritable" / "earlier.txt").write_text("outputs of an earlier run")
+    writer = FullDiskFor("unwritable", keys="pred", output_dir=tmp_path, labels=["GTV-1"], write_seg=False)
+    dice = MeanDice(output_transform=from_engine(["pred", "label"]), include_background=True)
+    return tmp_path, evaluated(CASES, tmp_path, writer, key_val_metric={"dice": dice})
 
 
 def test_each_failing_case_is_recorded_with_its_stage_and_the_others_run(run):
@@ -110,3 +116,33 @@ def test_failure_records_travel_through_dataloader_workers(tmp_path):
     batches = list(DataLoader(CaseDataset(data, load=load), batch_size=1, num_workers=1))
     assert batches[0]["failure_stage"] == ["read"] and "truncated" in batches[0]["failure_reason"][0]
     assert np.asarray(batches[1]["image"]).shape == (1, 1, 8, 8, 8)
+
+
+class ArchiveRefused(RuntimeError):
+    """An error that names its own stage, as scripts.dicomweb's store errors do."""
+
+    stage = "store"
+
+
+def test_an_error_naming_its_stage_is_recorded_there_and_every_case_is_handed_on_when_finished(tmp_path):
+    names = ["good-1", "unreadable", "unstorable", "bad-shape"]
+    finished = []
+
+    def store(d: dict) -> dict:  # after the writer: the archive refuses one case
+        if d["case_id"] == "unstorable":
+            raise ArchiveRefused("the archive said no")
+        return d
+
+    def case_done(case: dict) -> None:  # e.g. removing the case's retrieved series; its own failure ends nothing
+        finished.append(case["case_id"])
+        if case["case_id"] == "good-1":
+            raise OSError("cannot remove the folder")
+
+    evaluator = evaluated(names, tmp_path, store, on_case_done=case_done)
+    assert {f["case_id"]: f["stage"] for f in evaluator.failures} == {
+        "unreadable": "read", "unstorable": "store", "bad-shape": "predict"
+    }  # fmt: skip
+    assert finished == names, "every case, done or failed, once"
+    report = {c["case_id"]: c for c in json.loads((tmp_path / "inference_report.json").read_text())["cases"]}
+    assert report["good-1"]["status"] == "done"
+    assert report["unstorable"]["stage"] == "store" and "the archive said no" in report["unstorable"]["reason"]
