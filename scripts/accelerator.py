@@ -1,4 +1,4 @@
-"""Per-backend performance settings and a device report, applied from ``initialize`` before the network exists.
+"""Per-backend performance settings and a device report, applied at the start of a run, before the network exists.
 
 ROCm, CUDA and CPU builds of PyTorch want different knobs, and the ROCm ones are environment variables that MIOpen
 and TunableOp read once, at their first use -- so they must be set before the first convolution or GEMM, not in

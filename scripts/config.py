@@ -1,7 +1,7 @@
 """Config values as the bundle reads them: flags from the command line, and fail-fast checks of the whole run.
 
 * :func:`as_bool` -- ``--resume true`` reaches a config as the *string* "true"; every on/off value is read through it.
-* :func:`check_config` -- run by ``initialize`` before any data is touched: a wrong value should cost seconds, not the
+* :func:`check_config` -- run first (``setup``), before any data is touched: a wrong value should cost seconds, not the
   hour it takes to cache 422 CT volumes. Each check raises :class:`ConfigError` with the id to change and a value that
   works.
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from monai.utils import str2bool
 from scripts.labels import COLLECTION, LabelError, check_labels
 
 
@@ -21,15 +22,13 @@ class ConfigError(ValueError):
 def as_bool(value: bool | str | int, name: str = "flag") -> bool:
     """A config flag as a bool. ``--resume true`` reaches the config as the *string* "true" (fire only parses
     ``True``), and the string "false" is truthy, so every flag that can come from the command line goes through here.
+    The rule is MONAI's ``str2bool`` (true/false, yes/no, t/f, y/n, 1/0, any case), the one the configs' ``as_bool``
+    applies, with the id named when a value is neither.
     """
-    if isinstance(value, str):
-        text = value.strip().lower()
-        if text in ("true", "1", "yes", "on"):
-            return True
-        if text in ("false", "0", "no", "off", "", "none", "null"):
-            return False
-        raise ConfigError(f"{name}={value!r}: expected true or false.")
-    return bool(value)
+    try:
+        return str2bool(str(value).strip())
+    except ValueError:
+        raise ConfigError(f"{name}={value!r}: expected true or false.") from None
 
 
 def check_config(
@@ -39,7 +38,7 @@ def check_config(
     hu_window: Sequence[float],
     collection: str = COLLECTION,
 ) -> bool:
-    """Validate the ids that shape the whole run; returns True so it can sit in ``initialize``."""
+    """Validate the ids that shape the whole run; returns True so it can sit in a config's list of steps."""
     if isinstance(labels, str):
         raise ConfigError(f"labels={labels!r}: give a list of structure names, e.g. \"['{labels}']\".")
     try:

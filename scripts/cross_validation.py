@@ -238,7 +238,7 @@ def _check_finished(plan: Plan, fold: int) -> None:
 
 def _ensure_datalist(plan: Plan, prepare: bool) -> dict:
     """The datalist; when missing and ``prepare``, the config's own data steps make it first (check, acquire,
-    prepare, in initialize's order). Folds never prepare again, so their split cannot change under them."""
+    prepare, in setup's order). Folds never prepare again, so their split cannot change under them."""
     if not plan.datalist_file.is_file():
         if not prepare:
             raise CrossValidationError(

@@ -121,6 +121,7 @@ def train_workflow(configs_: list[str], demo_tmp: Path, output_dir: Path, workfl
         **overrides,
     )
     workflow.initialize()
+    workflow.parser.get_parsed_content("scripts")  # the run's first step: the bundle's Python, found via bundle_root
     return workflow
 
 

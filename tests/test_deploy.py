@@ -1,12 +1,14 @@
-"""MONAI Deploy: ``models/model.ts`` exported by MONAI's ``ckpt_export`` carries the bundle's configs, and the MONAI
-Deploy App SDK's ``MonaiBundleInferenceOperator``, inside a real Deploy application (holoscan's executor, on a CPU),
-builds ``preprocessing``, ``inferer`` and ``postprocessing`` from them alone and segments a DICOM CT series exactly as
-the bundle's own inference does, voxel for voxel.
+"""MONAI Deploy: ``models/model.ts`` exported by MONAI's ``ckpt_export`` from ``configs/inference.yaml`` alone carries
+that config, and the MONAI Deploy App SDK's ``MonaiBundleInferenceOperator`` with its DEFAULT arguments (config name
+"inference"), inside a real Deploy application (holoscan's executor, on a CPU), builds ``preprocessing``, ``inferer``
+and ``postprocessing`` from it alone and segments a DICOM CT series exactly as the bundle's own inference does, voxel
+for voxel.
 
 The application is at the bottom of this file and runs as its own program (``python tests/test_deploy.py``), as a
 MAP runs it: from a folder outside the bundle, given only ``model.ts``, with the bundle's Python not importable.
-The network is a random-initialised demo-sized SwinUNETR (``configs/demo.yaml``): what is compared is the path from
-the DICOM files to the label map, not what the network learnt. Skipped where monai-deploy-app-sdk is not installed.
+The network is a random-initialised SwinUNETR of feature size 12 (the shipped config's is 48: only the weights inside
+``model.ts`` differ, the config is the shipped one): what is compared is the path from the DICOM files to the label
+map, not what the network learnt. Skipped where monai-deploy-app-sdk is not installed.
 """
 
 from __future__ import annotations
@@ -22,10 +24,9 @@ import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-DEMO_INFERENCE = [str(ROOT / "configs" / name) for name in ("train.yaml", "demo.yaml", "inference.yaml")]
-# the names ckpt_export stores the configs under (file names without extension), in the order they are layered
-CONFIG_NAMES = ["train", "demo", "inference"]
+INFERENCE = str(ROOT / "configs" / "inference.yaml")
 CANNOT_IMPORT = 77  # exit status of the application when monai-deploy-app-sdk cannot be imported
+NETWORK = {"feature_size": 12}  # a small network; every other id as configs/inference.yaml ships it
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("monai.deploy") is None,
@@ -34,20 +35,21 @@ pytestmark = pytest.mark.skipif(
 
 
 def bundle_parser():
-    """The demo inference configs as the bundle layers them, parsed here (the bundle's Python importable)."""
+    """configs/inference.yaml alone, parsed here (the bundle's Python importable)."""
     from monai.bundle import ConfigParser
 
     parser = ConfigParser()
-    parser.read_config(DEMO_INFERENCE)
+    parser.read_config(INFERENCE)
     parser.read_meta(str(ROOT / "configs" / "metadata.json"))
-    parser["bundle_root"] = str(ROOT)
+    parser.update({"bundle_root": str(ROOT), **NETWORK})
     return parser
 
 
 @pytest.fixture(scope="module")
 def deployed(tmp_path_factory):
-    """One random-initialised demo network exported to model.ts, one synthetic DICOM case, segmented by the Deploy
-    application (a separate process) and, at the same time, by the bundle's inference workflow (this process)."""
+    """One random-initialised network exported to model.ts from inference.yaml alone, one synthetic DICOM case,
+    segmented by the Deploy application (a separate process) and, at the same time, by the bundle's inference
+    workflow (this process, inference.yaml alone, its network run by PyTorch as Deploy runs model.ts)."""
     import torch
     from conftest import save_weights
     from monai.bundle import ConfigWorkflow, ckpt_export
@@ -58,24 +60,25 @@ def deployed(tmp_path_factory):
     parser = bundle_parser()
     network = parser.get_parsed_content("network_def")
     weights = save_weights(network, tmp / "models" / "model.pt")
-    # MONAI's export, as the README runs it (the trace's own re-run check is left out: the comparison below is it)
+    # MONAI's export, as docs/README.md runs it (the trace's own re-run check is left out: the comparison below is it)
     ckpt_export("network_def", filepath=str(tmp / "models" / "model.ts"), ckpt_file=str(weights),
-                meta_file=str(ROOT / "configs" / "metadata.json"), config_file=DEMO_INFERENCE, bundle_root=str(ROOT),
+                meta_file=str(ROOT / "configs" / "metadata.json"), config_file=INFERENCE, bundle_root=str(ROOT),
                 use_trace=True, input_shape=[1, 1, *parser.get_parsed_content("roi_size")],
-                converter_kwargs={"check_trace": False})  # fmt: skip
-    truth = write_case(tmp / "cases", "P1", seed=1, shape=(64, 64, 24), pixel_spacing=(2.0, 2.0))
+                converter_kwargs={"check_trace": False}, **NETWORK)  # fmt: skip
+    # 96 x 96 mm, 16 slices: on the 1 x 1 x 3 mm grid one 96^3 window holds it all (the sliding window as shipped)
+    truth = write_case(tmp / "cases", "P1", seed=1, shape=(48, 48, 16), pixel_spacing=(2.0, 2.0))
 
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # nothing of the bundle on the path
     app = subprocess.Popen(
-        [sys.executable, __file__, json.dumps(CONFIG_NAMES), "--input", truth["image_dir"], "--output",
-         str(tmp / "deploy"), "--model", str(tmp / "models" / "model.ts")],
+        [sys.executable, __file__, "--input", truth["image_dir"], "--output", str(tmp / "deploy"), "--model",
+         str(tmp / "models" / "model.ts")],
         cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     try:
-        ours = ConfigWorkflow(config_file=DEMO_INFERENCE, workflow_type="infer", logging_file=False,
-                              bundle_root=str(ROOT), input_dir=str(tmp / "cases"), output_dir=str(tmp / "ours"),
-                              model_path=str(weights), num_workers=0, write_dicom_seg=False, write_rtstruct=False,
-                              write_sr=False, write_report=False)  # fmt: skip
+        ours = ConfigWorkflow(config_file=INFERENCE, workflow_type="infer", logging_file=False, bundle_root=str(ROOT),
+                              input_dir=str(tmp / "cases"), output_dir=str(tmp / "ours"), model_path=str(weights),
+                              num_workers=0, write_dicom_seg=False, write_rtstruct=False, write_sr=False,
+                              write_report=False, inference_backend="torch", **NETWORK)  # fmt: skip
         ours.initialize()
         ours.run()
         ours.finalize()
@@ -89,20 +92,20 @@ def deployed(tmp_path_factory):
 
 
 def test_deploy_builds_the_bundle_ids_from_model_ts_alone(deployed):
-    """The operator finds preprocessing, inferer and postprocessing in the configs inside model.ts (all the layered
-    configs named: Deploy's default, "inference" alone, is an override that does not parse on its own), drops none
-    of the transforms, and needs none of the bundle's Python, which it could not import (sliding_window_inferer)."""
+    """With its default arguments the operator reads "inference" -- the standalone inference.yaml stored in model.ts
+    -- and finds preprocessing, inferer and postprocessing there, drops none of the transforms, and needs none of the
+    bundle's Python, which it could not import (sliding_window_inferer)."""
     _, _, out = deployed
     built = json.loads((out / "operator.json").read_text())
     parser = bundle_parser()
+    assert built["config_names"] == ["inference"], "the operator's default"
     assert built["scripts_importable"] is False
     assert built["inferer"] == "monai.inferers.inferer.SlidingWindowInferer"
-    assert built["roi_size"] == parser.get_parsed_content("roi_size") == [64, 64, 32]
+    assert built["roi_size"] == parser.get_parsed_content("roi_size") == [96, 96, 96]
     for name in ("preprocessing", "postprocessing"):
         assert built[name] == [type(t).__name__ for t in parser.get_parsed_content(name).transforms], name
     assert built["preprocessing"][0] == "EnsureChannelFirstd"
     assert "Invertd" in built["postprocessing"]
-    assert built["default_config_names"] is not None, "inference.yaml alone is an override, not a config"
     assert "Cannot locate class or function path: 'scripts.inferers." in built["sliding_window_inferer"]
 
 
@@ -133,8 +136,8 @@ def test_deploy_segmentation_equals_our_inference_voxel_for_voxel(deployed):
 
 # ------------------------------------------------------------------------------------------------------------------
 # The MONAI Deploy application: DICOM series -> volume -> the bundle operator -> the arrays and what the operator built
-# python tests/test_deploy.py '<config names as JSON>' --input DICOM_DIR --output OUT --model model.ts
-def run_deploy_app(config_names: list[str], argv: list[str]) -> None:
+# python tests/test_deploy.py --input DICOM_DIR --output OUT --model model.ts
+def run_deploy_app(argv: list[str]) -> None:
     try:
         from monai.deploy.conditions import CountCondition
         from monai.deploy.core import Application, Image, IOType, Operator
@@ -178,10 +181,9 @@ def run_deploy_app(config_names: list[str], argv: list[str]) -> None:
                                              name="loader")  # fmt: skip
             selector = DICOMSeriesSelectorOperator(self, name="selector")
             to_volume = DICOMSeriesToVolumeOperator(self, name="to_volume")
-            self.bundle = MonaiBundleInferenceOperator(
+            self.bundle = MonaiBundleInferenceOperator(  # default bundle_config_names: "inference"
                 self,
                 app_context=context,
-                bundle_config_names=BundleConfigNames(config_names=config_names),
                 input_mapping=[IOMapping("image", Image, IOType.IN_MEMORY)],
                 output_mapping=[IOMapping("pred", Image, IOType.IN_MEMORY)],
                 name="bundle",
@@ -211,11 +213,11 @@ def run_deploy_app(config_names: list[str], argv: list[str]) -> None:
         "preprocessing": [type(t).__name__ for t in op._preproc.transforms],
         "postprocessing": [type(t).__name__ for t in op._postproc.transforms],
         "scripts_importable": importlib.util.find_spec("scripts") is not None,
-        "default_config_names": error_of(BundleConfigNames().config_names, "inferer"),
-        "sliding_window_inferer": error_of(config_names, "sliding_window_inferer"),
+        "config_names": BundleConfigNames().config_names,
+        "sliding_window_inferer": error_of(BundleConfigNames().config_names, "sliding_window_inferer"),
     }
     (app.output_folder / "operator.json").write_text(json.dumps(built, indent=2))
 
 
 if __name__ == "__main__":
-    run_deploy_app(json.loads(sys.argv[1]), [sys.argv[0], *sys.argv[2:]])
+    run_deploy_app(sys.argv)

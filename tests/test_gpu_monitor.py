@@ -221,7 +221,7 @@ def test_ignite_engine_exception_stops_monitor_and_reaches_caller(tools, tmp_pat
     assert (out / "gpu_utilisation.png").exists(), "the plot is drawn for a failed run too"
 
 
-@pytest.mark.parametrize("kwargs", [{"enabled": "false"}, {"enabled": False}, {"plot": "False", "enabled": "off"}])
+@pytest.mark.parametrize("kwargs", [{"enabled": "false"}, {"enabled": False}, {"plot": "False", "enabled": "no"}])
 def test_disabled_writes_nothing(tools, tmp_path: Path, kwargs: dict) -> None:
     cat(tools, "nvidia-smi", NVIDIA_A, tmp_path)
     out = tmp_path / "run"

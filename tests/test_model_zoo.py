@@ -2,24 +2,28 @@
 bundle named by ``bundle_root`` -- without a network.
 
 The zoo's ``ci/verify_bundle.py`` checks the metadata against its schema, the version and changelog, the files a
-bundle must and should hold, the network's input and output against the metadata (``verify_net_in_out``) and the
-TorchScript export; its unit tests run each workflow with ``check_properties`` on (``ci/unit_tests/utils.py``
-``check_workflow``: initialize, check properties, run, finalize). Exports (traced TorchScript, ONNX) are checked in
-tests/test_workflow_export.py; what a zoo PR must still add is listed in docs/README.md.
+bundle must and should hold, the network's input and output against the metadata (``verify_data_shape``: MONAI's
+``verify_net_in_out`` on ``configs/inference.*`` ALONE), the inference properties (``create_workflow`` on that config
+alone) and the TorchScript export; its unit tests run each workflow with ``check_properties`` on
+(``ci/unit_tests/utils.py`` ``check_workflow``: initialize, check properties, run, finalize), training from
+``configs/train.json``. Here the bundle sits under ``models/<name>/`` of a zoo-like folder, which is the working
+directory. Exports (traced TorchScript, ONNX) are checked in tests/test_workflow_export.py (SwinUNETR traces but does
+not script: the zoo lists such bundles in ``exclude_verify_torchscript_list``); what a zoo PR must still add is
+listed in docs/README.md.
 """
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
+import logging
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, configs
+from conftest import ROOT
 from monai.bundle import ConfigWorkflow, verify_metadata
 
 SCHEMA = Path(__file__).parent / "data" / "meta_schema_20240725.json"
+NAME = "nsclc_swinunetr"
 
 
 def check_workflow(workflow: ConfigWorkflow) -> None:
@@ -30,58 +34,94 @@ def check_workflow(workflow: ConfigWorkflow) -> None:
     workflow.finalize()
 
 
-def test_metadata_validates_against_the_model_zoo_schema():
-    meta = json.loads((ROOT / "configs" / "metadata.json").read_text())
-    assert meta["schema"].endswith(SCHEMA.name), "the schema copy is the one the metadata names"
-    verify_metadata(meta_file=str(ROOT / "configs" / "metadata.json"), filepath=str(SCHEMA))
+def test_metadata_validates_against_the_model_zoo_schema(zoo, monkeypatch):
+    monkeypatch.chdir(zoo)
+    meta_file = f"models/{NAME}/configs/metadata.json"
+    assert json.loads(Path(meta_file).read_text())["schema"].endswith(SCHEMA.name), "the copy is the one it names"
+    verify_metadata(meta_file=meta_file, filepath=str(SCHEMA))
 
 
-def test_version_is_in_the_changelog_and_the_required_files_are_there():
-    meta = json.loads((ROOT / "configs" / "metadata.json").read_text())
+def test_version_is_in_the_changelog_and_the_required_files_are_there(zoo):
+    bundle = zoo / "models" / NAME
+    meta = json.loads((bundle / "configs" / "metadata.json").read_text())
     assert meta["version"] in meta["changelog"]
-    for necessary in ("configs/metadata.json", "LICENSE"):
-        assert (ROOT / necessary).is_file(), necessary
-    assert [p.name for p in (ROOT / "configs").glob("inference.*")] == ["inference.yaml"]
-    assert "models/model.pt" in (ROOT / "large_files.yml").read_text() or not (ROOT / "models" / "model.pt").exists()
-
-
-def test_network_in_and_out_match_the_metadata_from_another_folder(tmp_path):
-    args = [sys.executable, "-m", "monai.bundle", "verify_net_in_out", "network_def", "--meta_file",
-            str(ROOT / "configs" / "metadata.json"), "--config_file", configs("train.yaml", "inference.yaml"),
-            "--bundle_root", str(ROOT), "--feature_size", "12"]  # fmt: skip
-    result = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0 and "verified with no error" in result.stdout + result.stderr, result.stderr[-2000:]
+    for necessary in ("configs/metadata.json", "LICENSE", "configs/train.json"):  # train.json: monai.bundle.load
+        assert (bundle / necessary).is_file(), necessary
+    assert [p.name for p in (bundle / "configs").glob("inference.*")] == ["inference.yaml"]
+    assert "models/model.pt" in (bundle / "large_files.yml").read_text()
 
 
 @pytest.fixture(scope="module")
-def zoo_run(tmp_path_factory, monkeypatch_module, tiny_data) -> Path:
-    """train (one tiny epoch), evaluate and infer, each as a zoo unit test runs it, from a foreign folder."""
-    tmp = tmp_path_factory.mktemp("zoo")
-    monkeypatch_module.chdir(tmp)
-    common = {"bundle_root": str(ROOT), "dataset_dir": str(tiny_data / "data"),
-              "prepared_dir": str(tiny_data / "prepared"), "output_dir": str(tmp / "run"), "demo_cases": 4,
-              "num_samples": 1, "max_epochs": 1, "val_interval": 1, "num_workers": 0}  # fmt: skip
-    meta = str(ROOT / "configs" / "metadata.json")
-    logging = str(ROOT / "configs" / "logging.conf")
-    paths = lambda *names: [str(ROOT / "configs" / n) for n in names]  # noqa: E731
-    check_workflow(ConfigWorkflow(workflow_type="train", config_file=paths("train.yaml", "demo.yaml"),
-                                  meta_file=meta, logging_file=logging, **common))  # fmt: skip
-    evaluated = {**common, "eval_dir": str(tmp / "eval"), "eval_pictures": 0}
-    # the zoo runs evaluate.json on train.json as a "train" workflow (its test_eval_config)
-    check_workflow(ConfigWorkflow(workflow_type="train", config_file=paths("train.yaml", "demo.yaml", "evaluate.yaml"),
-                                  meta_file=meta, logging_file=logging, **evaluated))  # fmt: skip
-    inferred = {**common, "input_dir": str(tiny_data / "data"), "output_dir": str(tmp / "infer"),
-                "model_path": str(tmp / "run" / "model.pt")}  # fmt: skip
-    workflow = ConfigWorkflow(workflow_type="infer", config_file=paths("train.yaml", "demo.yaml", "inference.yaml"),
-                              meta_file=meta, logging_file=logging, **inferred)  # fmt: skip
-    check_workflow(workflow)
-    return tmp
+def zoo(tmp_path_factory) -> Path:
+    """A model-zoo checkout: the bundle under ``models/<name>/`` (its files linked, a ``models/`` folder of its own),
+    the zoo's root the working directory of every check, as the zoo's CI runs them."""
+    from conftest import save_weights
+    from monai.networks.nets import SwinUNETR
+
+    root = tmp_path_factory.mktemp("model-zoo")
+    bundle = root / "models" / NAME
+    (bundle / "models").mkdir(parents=True)
+    for item in ("configs", "scripts", "docs", "LICENSE", "large_files.yml"):
+        (bundle / item).symlink_to(ROOT / item)
+    # what the zoo downloads through large_files.yml before its checks: weights of the default network (untrained)
+    save_weights(SwinUNETR(in_channels=1, out_channels=2, feature_size=48), bundle / "models" / "model.pt")
+    return root
+
+
+def test_verify_data_shape_on_the_inference_config_alone(zoo, monkeypatch, caplog):
+    """The zoo's verify_data_shape: MONAI's verify_net_in_out on configs/inference.yaml alone, the default network
+    (SwinUNETR feature size 48) at the metadata's 96^3 input, from the zoo's root with the bundle first on sys.path."""
+    from monai.bundle import verify_net_in_out
+
+    monkeypatch.chdir(zoo)
+    monkeypatch.syspath_prepend(str(zoo / "models" / NAME))
+    caplog.set_level(logging.INFO)
+    bundle = f"models/{NAME}"
+    verify_net_in_out(net_id="network_def", meta_file=f"{bundle}/configs/metadata.json",
+                      config_file=f"{bundle}/configs/inference.yaml", bundle_root=bundle)  # fmt: skip
+    assert "data shape of network is verified with no error" in caplog.text
+
+
+def test_the_inference_config_alone_has_monais_inference_properties(zoo, monkeypatch):
+    """verify_bundle's property check: create_workflow (which runs initialize) on the inference config alone. It
+    builds the evaluator, so the network with its weights: PyTorch here, where ONNX Runtime would export it first."""
+    from monai.bundle import create_workflow
+
+    monkeypatch.chdir(zoo)
+    bundle = f"models/{NAME}"
+    workflow = create_workflow(workflow_type="inference", bundle_root=bundle,
+                               config_file=f"{bundle}/configs/inference.yaml",
+                               logging_file=f"{bundle}/configs/logging.conf",
+                               meta_file=f"{bundle}/configs/metadata.json",
+                               inference_backend="torch")  # fmt: skip
+    assert workflow.check_properties() == []
+    assert not (zoo / bundle / "runs").exists(), "initialize writes nothing"
 
 
 @pytest.fixture(scope="module")
-def monkeypatch_module():
+def zoo_run(zoo, tiny_data) -> Path:
+    """The zoo's unit-test pattern, from the zoo's root: train with configs/train.json and its overrides (one tiny
+    epoch of the demo-sized network), evaluate with train.json + evaluate, infer with configs/inference.yaml ALONE
+    (by PyTorch: test_workflow_inference.py runs ONNX Runtime, which exports the weights first)."""
     with pytest.MonkeyPatch.context() as patch:
-        yield patch
+        patch.chdir(zoo)
+        bundle = f"models/{NAME}"
+        files = {"meta_file": f"{bundle}/configs/metadata.json", "logging_file": f"{bundle}/configs/logging.conf"}
+        network = {"bundle_root": bundle, "feature_size": 12, "roi_size": [64, 64, 32], "spacing": [2.0, 2.0, 3.0]}
+        common = {**network, "dataset_dir": str(tiny_data / "data"), "prepared_dir": str(tiny_data / "prepared"),
+                  "output_dir": str(zoo / "run"), "model_path": str(zoo / "run" / "model.pt"), "num_samples": 1,
+                  "max_epochs": 1, "val_interval": 1, "num_workers": 0, "inference_backend": "torch"}  # fmt: skip
+        check_workflow(ConfigWorkflow(workflow_type="train", config_file=f"{bundle}/configs/train.json", **files,
+                                      **common))  # fmt: skip
+        # the zoo runs evaluate on train.json as a "train" workflow (its test_eval_config)
+        check_workflow(ConfigWorkflow(workflow_type="train", config_file=[f"{bundle}/configs/train.json",
+                                      f"{bundle}/configs/evaluate.yaml"], **files, **common,
+                                      eval_dir=str(zoo / "eval"), eval_pictures=0))  # fmt: skip
+        check_workflow(ConfigWorkflow(workflow_type="infer", config_file=f"{bundle}/configs/inference.yaml", **files,
+                                      **network, input_dir=str(tiny_data / "data"), output_dir=str(zoo / "infer"),
+                                      model_path=str(zoo / "run" / "model.pt"), num_workers=0,
+                                      inference_backend="torch"))  # fmt: skip
+    return zoo
 
 
 def test_train_evaluate_and_infer_run_as_the_zoo_runs_them(zoo_run):
@@ -90,3 +130,5 @@ def test_train_evaluate_and_infer_run_as_the_zoo_runs_them(zoo_run):
     assert summary["num_cases"] >= 1 and summary["failed"] == []
     report = json.loads((zoo_run / "infer" / "inference_report.json").read_text())
     assert report["num_done"] == 4 and report["num_failed"] == 0
+    assert not (zoo_run / "models" / NAME / "runs").exists(), "nothing written into the bundle"
+    assert (zoo_run / "models" / NAME / "models" / "model.pt").stat().st_size > 2e8, "the f48 weights left alone"

@@ -25,11 +25,13 @@ from conftest import ROOT, configs
 MAX_EPOCHS = 2
 # the demo network (as the issue asks), one patch per step, validation once at the end, one mirror axis for the TTA
 # comparison
+# PyTorch runs the folds' networks in evaluation (ONNX Runtime, the default on a CPU, would export each fold's
+# weights first: tests/test_backends.py and test_workflow_inference.py cover that backend)
 SETTINGS = {"num_samples": 1, "max_epochs": MAX_EPOCHS, "val_interval": MAX_EPOCHS, "demo_cases": 4,
-            "tta_axes": "[0]", "eval_pictures": 1}  # fmt: skip
+            "tta_axes": "[0]", "eval_pictures": 1, "inference_backend": "torch"}  # fmt: skip
 
 
-INFERENCE = [str(ROOT / "configs" / name) for name in ("train.yaml", "demo.yaml", "inference.yaml")]
+INFERENCE = [str(ROOT / "configs" / name) for name in ("inference.yaml", "demo.yaml")]
 
 
 def trained_epochs(output: str) -> list[int]:
@@ -136,6 +138,7 @@ def ensemble_inference(cross_validated, tmp_path_factory) -> dict:
         config_file=INFERENCE, workflow_type="infer",
         bundle_root=str(ROOT), input_dir=str(tmp / "in"), output_dir=str(tmp / "out"),
         model_paths=str(cross_validated["cv"]), num_workers=0, write_rtstruct=False, write_sr=False,
+        inference_backend="torch",
     )  # fmt: skip
     workflow.initialize()
     network = workflow.parser.get_parsed_content("network")

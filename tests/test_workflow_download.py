@@ -88,7 +88,7 @@ def train_config(tmp_path: Path, **overrides):
 
 
 def test_train_config_with_download_true_downloads_then_prepares(synthetic_source, tmp_path):
-    """`--download true` as typed on the command line: initialize's download and prepare steps, on the fake server."""
+    """`--download true` as typed on the command line: setup's download and prepare steps, on the fake server."""
     _, cases, _ = synthetic_source
     with FakeNbia(cases) as server:
         parser = train_config(tmp_path, download="true", tcia_base_url=server.url)

@@ -13,7 +13,7 @@ from conftest import bundle_run, configs, demo_args
 
 DEMO_EVALUATE = configs("train.yaml", "demo.yaml", "evaluate.yaml")
 # inference with the demo's weights: the demo's settings come from demo.yaml, layered as in training
-DEMO_INFERENCE = configs("train.yaml", "demo.yaml", "inference.yaml")
+DEMO_INFERENCE = configs("inference.yaml", "demo.yaml")
 
 
 def dice(a: np.ndarray, b: np.ndarray) -> float:

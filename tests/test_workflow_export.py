@@ -1,13 +1,13 @@
-"""Exports of the demo-trained network with MONAI's own commands, from a foreign working directory: the traced
-TorchScript and the ONNX model give the eager network's output, and metadata.json describes the network's input and
-output truthfully (``verify_net_in_out``)."""
+"""Export of the demo-trained network with MONAI's own command, from a foreign working directory: the traced
+TorchScript gives the eager network's output. (The ONNX export that CPU inference runs -- torch.onnx's, as MONAI's
+``onnx_export`` makes it -- is compared with the eager network in tests/test_backends.py and
+tests/test_workflow_inference.py.)"""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 
-import numpy as np
 import torch
 import yaml
 from conftest import ROOT, configs
@@ -21,7 +21,7 @@ def export(demo_run, command: str, filepath, *extra: str) -> tuple[torch.nn.Modu
     weights = tmp / "run" / "model.pt"
     args = [sys.executable, "-m", "monai.bundle", command, "network_def", "--filepath", str(filepath),
             "--ckpt_file", str(weights), "--meta_file", str(ROOT / "configs" / "metadata.json"), "--config_file",
-            configs("train.yaml", "demo.yaml", "inference.yaml"), "--bundle_root", str(ROOT), "--use_trace", "True",
+            configs("inference.yaml", "demo.yaml"), "--bundle_root", str(ROOT), "--use_trace", "True",
             "--input_shape", str(PATCH), *extra]  # fmt: skip
     result = subprocess.run(args, cwd=filepath.parent, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -38,14 +38,3 @@ def test_traced_export_matches_the_eager_network(demo_run, tmp_path):
     traced = torch.jit.load(str(tmp_path / "model.ts")).eval()
     with torch.no_grad():
         torch.testing.assert_close(traced(x), eager(x), rtol=1e-4, atol=1e-4)
-
-
-def test_onnx_export_matches_the_eager_network(demo_run, tmp_path):
-    import onnxruntime
-
-    eager, x = export(demo_run, "onnx_export", tmp_path / "model.onnx")
-    session = onnxruntime.InferenceSession(str(tmp_path / "model.onnx"), providers=["CPUExecutionProvider"])
-    with torch.no_grad():
-        expected = eager(x).numpy()
-    actual = session.run(None, {session.get_inputs()[0].name: x.numpy()})[0]
-    np.testing.assert_allclose(actual, expected, rtol=1e-3, atol=1e-3)

@@ -16,12 +16,13 @@ import nibabel as nib
 import numpy as np
 import pytest
 import torch
+import yaml
 from conftest import ROOT, bundle_run, configs
 from scripts.dicom import read_ct_series, read_rtstruct_labels, read_seg_labels
 from scripts.synthetic import generate
 
-# inference with the demo's weights: the demo's settings come from demo.yaml, layered as in training
-DEMO_INFERENCE = configs("train.yaml", "demo.yaml", "inference.yaml")
+# inference with the demo's weights: inference.yaml stands alone, demo.yaml layered on it sets the demo network's ids
+DEMO_INFERENCE = configs("inference.yaml", "demo.yaml")
 
 
 def dice(a: np.ndarray, b: np.ndarray) -> float:
@@ -83,6 +84,62 @@ def test_inference_writes_a_dicom_seg_that_matches_the_nifti_and_references_the_
     assert "s per case" in result.stdout
 
 
+def test_the_inference_config_alone_runs_from_another_folder_and_equals_the_layered_demo(inferred, demo_run, tmp_path):
+    """The command every zoo README shows: configs/inference.yaml ALONE (no train.yaml), the demo network's ids on
+    the command line instead of demo.yaml, from a folder that is not the bundle: the same label map, every output."""
+    truths, _, out, _, _ = inferred
+    tmp, _, _ = demo_run
+    demo = yaml.safe_load((ROOT / "configs" / "demo.yaml").read_text())
+    network_ids = [part for key in ("feature_size", "roi_size", "spacing", "sw_batch_size", "channels_last")
+                   for part in (f"--{key}", str(demo[key]))]  # fmt: skip
+    case = truths[0]["patient_id"]
+    alone = bundle_run("--config_file", str(ROOT / "configs" / "inference.yaml"), "--input_dir",
+                       str(Path(truths[0]["image_dir"]).parents[1]), "--output_dir", str(tmp_path), "--model_path",
+                       str(tmp / "run" / "model.pt"), "--num_workers", "0", *network_ids)  # fmt: skip
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    for suffix in ("_seg.nii.gz", "_seg.dcm", "_rtstruct.dcm", "_sr.dcm", "_report.json", "_report.png"):
+        assert (tmp_path / case / f"{case}{suffix}").is_file(), suffix
+    ours = np.asarray(nib.load(tmp_path / case / f"{case}_seg.nii.gz").dataobj)
+    np.testing.assert_array_equal(ours, np.asarray(nib.load(out / case / f"{case}_seg.nii.gz").dataobj))
+
+
+def test_onnxruntime_and_torch_give_the_same_labels_and_the_reports_name_the_backend(inferred, demo_run, tmp_path):
+    """On a CPU the default backend is ONNX Runtime (the `inferred` run, the network exported once beside the demo's
+    weights); the same case run by PyTorch: labels equal on at least 99.9 % of the voxels, and the SEG's algorithm
+    parameters and the reports say which backend ran."""
+    truths, _, out, _, report = inferred
+    tmp, _, _ = demo_run
+    case = truths[0]["patient_id"]
+    by_torch = bundle_run("--config_file", DEMO_INFERENCE, "--input_dir", str(Path(truths[0]["image_dir"]).parents[1]),
+                          "--output_dir", str(tmp_path), "--model_path", str(tmp / "run" / "model.pt"),
+                          "--num_workers", "0", "--inference_backend", "torch")  # fmt: skip
+    assert by_torch.returncode == 0, by_torch.stderr[-3000:]
+    torch_labels = np.asarray(nib.load(tmp_path / case / f"{case}_seg.nii.gz").dataobj)
+    onnx_labels = np.asarray(nib.load(out / case / f"{case}_seg.nii.gz").dataobj)
+    assert (torch_labels == 1).sum() > 100, "a tumour to compare"
+    assert float((torch_labels == onnx_labels).mean()) >= 0.999
+    assert (tmp / "run" / "model.pt.onnx").is_file(), "the export is kept beside the weights"
+    from monai.networks.nets import SwinUNETR
+    from scripts.backends import OnnxNetwork
+    from scripts.weights import load_weights
+
+    eager = load_weights(SwinUNETR(in_channels=1, out_channels=2, feature_size=12), tmp / "run" / "model.pt").eval()
+    window = torch.rand(2, 1, 64, 64, 32, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():  # the cached network itself: logits within 1e-3 of PyTorch's, for a batch of two windows
+        torch.testing.assert_close(OnnxNetwork(tmp / "run" / "model.pt.onnx")(window), eager(window), rtol=1e-3,
+                                   atol=1e-3)  # fmt: skip
+    assert report["models"]["backend"].startswith("onnxruntime ")
+    assert json.loads((tmp_path / "inference_report.json").read_text())["models"]["backend"].startswith("torch ")
+    algorithm = hd.seg.segread(out / case / f"{case}_seg.dcm").SegmentSequence[0]
+    assert "backend=onnxruntime " in algorithm.SegmentationAlgorithmIdentificationSequence[0].AlgorithmParameters
+
+
+def test_inference_without_an_input_dir_says_what_to_pass(tmp_path):
+    result = bundle_run("--config_file", str(ROOT / "configs" / "inference.yaml"), "--output_dir", str(tmp_path),
+                        timeout=300)  # fmt: skip
+    assert result.returncode == 1 and "inference needs --input_dir DIR" in result.stderr, result.stderr[-2000:]
+
+
 def test_inference_gives_the_same_answer_for_nifti_and_dicom_input(inferred):
     truths, _, out, _, _ = inferred
     from_dicom = np.asarray(nib.load(out / truths[0]["patient_id"] / f"{truths[0]['patient_id']}_seg.nii.gz").dataobj)
@@ -133,7 +190,7 @@ def test_inference_config_satisfies_monai_inference_properties(demo_run, tmp_pat
 
     tmp, _, _ = demo_run
     workflow = ConfigWorkflow(
-        config_file=[str(ROOT / "configs" / c) for c in ("train.yaml", "demo.yaml", "inference.yaml")],
+        config_file=[str(ROOT / "configs" / c) for c in ("inference.yaml", "demo.yaml")],
         workflow_type="infer",
         bundle_root=str(ROOT),
         input_dir=str(tmp / "data"),

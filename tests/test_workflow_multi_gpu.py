@@ -135,7 +135,8 @@ def test_evaluation_on_two_ranks_counts_every_case_once(tiny_data, tmp_path):
     args = ["-m", "monai.bundle", "run", "evaluate", "--config_file", config_file, "--bundle_root", str(ROOT),
             "--dataset_dir", str(demo_tmp / "data"), "--prepared_dir", str(demo_tmp / "prepared"),
             "--output_dir", str(tmp_path / "run"), "--model_path", str(weights),
-            "--eval_dir", str(tmp_path), "--eval_split", "training", "--eval_pictures", "0"]  # fmt: skip
+            "--eval_dir", str(tmp_path), "--eval_split", "training", "--eval_pictures", "0",
+            "--inference_backend", "torch"]  # fmt: skip
     result = subprocess.run(torchrun("--standalone", "--nproc_per_node=2", *args), cwd=tmp_path, capture_output=True,
                             text=True, timeout=600, env=RANK_ENV)  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

@@ -129,8 +129,9 @@ def test_wrong_config_values_fail_fast_with_what_to_change(tmp_path, override, m
         dataset_dir=str(tmp_path / "data"),
         **override,
     )
+    workflow.initialize()  # light: only the seed, as for `monai.bundle load`
     with pytest.raises(RuntimeError) as raised:
-        workflow.initialize()
+        workflow.run()  # setup: the check is the first step after the bundle's Python is imported
     assert any(isinstance(e, ConfigError) and message in str(e) for e in causes(raised.value)), raised.value
     assert not (tmp_path / "data").exists(), "the check runs before any data is generated"
 
@@ -159,16 +160,27 @@ def test_check_properties_pass_for_train_and_demo(demo_run):
 
 
 def test_every_switch_is_read_once_as_a_boolean():
-    """Each on/off id of every config has its flag#<id> entry, in that config or in train.yaml (which every other
-    config is layered on): a switch that skipped it would read "false" as true."""
+    """Each on/off id of every config is read by ``as_bool`` exactly once (in its flag#<id> entry, or where inference
+    uses its own), in that config or in train.yaml, which the overrides are layered on (inference.yaml stands
+    alone): a switch that skipped it would read "false" as true."""
     import yaml
 
-    def flags_of(config: dict) -> set[str]:
-        return set((config.get("flag") or {}).keys()) | {k.split("#", 1)[1] for k in config if k.startswith("flag#")}
+    train_text = (ROOT / "configs" / "train.yaml").read_text()
+    for path in sorted((ROOT / "configs").glob("*.yaml")):
+        text = path.read_text()
+        inherited = "" if path.name in ("train.yaml", "inference.yaml") else train_text
+        switches = [k for k, v in yaml.safe_load(text).items() if isinstance(v, bool) and "#" not in k]
+        reads = {k: (text + inherited).count(f"@as_bool(@{k})") for k in switches}
+        assert all(n == 1 for n in reads.values()), f"{path.name}: as_bool reads per switch {reads}"
 
-    inherited = flags_of(yaml.safe_load((ROOT / "configs" / "train.yaml").read_text()))
+
+def test_every_workflow_step_of_every_config_is_one_expression():
+    """Each step of initialize, setup, run and finalize is a string (an expression or a reference): a step whose text
+    holds ": " outside quotes would be read by YAML as a one-key mapping, and silently never run."""
+    import yaml
+
     for path in sorted((ROOT / "configs").glob("*.yaml")):
         config = yaml.safe_load(path.read_text())
-        switches = [k for k, v in config.items() if isinstance(v, bool) and "#" not in k]
-        missing = [k for k in switches if k not in flags_of(config) | inherited]
-        assert not missing, f"{path.name}: {missing} have no flag# entry"
+        for key in ("initialize", "setup", "run", "finalize", "+initialize", "+run"):
+            steps = config.get(key) or []
+            assert all(isinstance(step, str) for step in steps), f"{path.name}: {key} has a step that is not a string"
