@@ -22,16 +22,20 @@ Memory: one pass keeps the section ranges (few) and, per launch and per kernel, 
 (20 and 24 bytes); ranges and kernels may come in any order in the file. The launch-to-kernel join uses a table
 indexed by correlation id (4 bytes an id), not a dict.
 
-Parsing (``parser``): ``"auto"`` (default, standard library) reads text in 1 MiB chunks and skims it whatever the
-layout (kineto's, one event a line, indented, one line): the first events, decoded in full, give the exact text
-between two events (:class:`_ArrayReader`); after that only the events whose text holds a kernel, section or launch
-marker are decoded (by the C scanner of :mod:`json`) and the others are counted by that text, which is trusted only
-where cheap counts show that it separates events of the list; any other text is read event by event. ``"json"``
-decodes every event. ``"orjson"`` (optional: ``pip install orjson``) skims the same way but decodes the picked events
-with orjson, about 3x faster than the json scanner, to the same values. ``"ijson"`` uses ``ijson.items`` where that
-package is installed. Compressed input is inflated by a read-ahead thread. ``python -m benchmarks.bench_trace``
-measures every realistic shape. Skipped events are not validated; truncation is always detected, since the last
-events and the closing bracket go through the checked parser.
+Parsing (``parser``): ``"auto"`` (default, standard library) reads text in 1 MiB chunks and skims it, whatever the
+layout and however layouts are mixed in one file (kineto's templates of any year, one event a line, keys sharing
+lines, indented): each chunk is searched once, in C, for the text between two events (``}``, comma, ``{`` and a key),
+for objects opened inside lists (which could be events' args rather than events), and for the literals that an event
+that can matter must hold (``"kernel"``, ``"__sec:``, ``Launch``, or any backslash escape). Events between two such
+boundaries are counted without being decoded; those holding a literal are decoded from their exact text by the C
+scanner of :mod:`json`; an event whose text is ambiguous (a list of objects inside it, or such text in its strings) is
+decoded by that scanner on its own, and counting goes on after it. No text is searched or decoded more than a
+constant number of times (:class:`_ArrayReader`; ``work`` counts it). ``"json"`` decodes every event. ``"orjson"``
+(optional: ``pip install orjson``) skims the same way but decodes the picked events with orjson, about 3x faster than
+the json scanner, to the same values. ``"ijson"`` uses ``ijson.items`` where that package is installed. The file is
+read (and inflated) by a read-ahead thread. ``python -m benchmarks.bench_trace`` measures every shape. Skipped events
+are not validated; truncation is always detected, since the last events and the closing bracket go through the
+checked parser.
 
 Standalone: standard library only (``fire`` is used when installed; ``orjson`` and ``ijson`` when installed and asked
 for), nothing from the bundle, no torch, so it runs on a laptop next to a trace copied from a cluster::
@@ -104,36 +108,52 @@ PARSERS = ("auto", "json", "orjson", "ijson")
 _NAME_SUFFIX = re.compile(r"(?:_v\d+|_ptsz|_ptds|_spt)+$")
 _NON_WS = re.compile(r"[^ \t\n\r]")
 _SEPARATOR = re.compile(r"[ \t\n\r]*,[ \t\n\r]*")
-# Literals found in every event that can matter: kernels, sections, launches (over-matching is harmless: every
-# decoded event is filtered as usual). Names written with \u escapes would be missed; no trace writer does that.
-_MARKERS = ('"kernel"', '"__sec:', "Launch")
-# the text between two events: '}', the separator, '{' and the next event's first key and colon
-_HEAD = re.compile(r'\}[ \t\n\r]*,[ \t\n\r]*\{[ \t\n\r]*(?P<key>"[^"\\]*"[ \t\n\r]*:)')
-_LEARN_EVENTS = 4  # identical heads in a row before skimming
-_CHUNK_CHARS = 1 << 20  # characters read per refill of the event scanner
-_READ_AHEAD = 4  # chunks inflated ahead of the parser
+# Literals in the text of every event that can matter: kernels, sections, launches; and a backslash, so that an event
+# whose strings hold escapes (a marker could be written as \u escapes) is decoded too. Over-matching is harmless:
+# every decoded event is filtered as usual.
+_MARKERS = ('"kernel"', '"__sec:', "Launch", "\\")
+# Two consecutive objects of one list: '}', a comma, '{' (group 1) and a key starting with a letter (see _ArrayReader).
+_BOUNDARY = re.compile(r'\}[ \t\n\r]*+,[ \t\n\r]*+(\{)[ \t\n\r]*+"[A-Za-z_]')
+# An object opened as a list element: a '{' after a comma or a '[' (whitespace between); after 9 or more whitespace
+# characters whatever precedes them (over-matching only sends an event to the scanner). The first two lookbehinds
+# only make the common '{' of an object value (': {') fail fast.
+_OBJECT_IN_LIST = re.compile(
+    r"\{(?<!:\{)(?<!: \{)(?:(?<=[,\[]\{)"
+    + "".join(rf"|(?<=[,\[][ \t\n\r]{{{n}}}\{{)" for n in range(1, 9))
+    + r"|(?<=[ \t\n\r]{9}\{))"
+)
+_CHUNK_CHARS = 1 << 20  # characters (bytes) read per refill of the event scanner
+_BOM = "\xef\xbb\xbf"  # UTF-8's byte order mark, read as Latin-1
+_READ_AHEAD = 4  # chunks read (and inflated) ahead of the parser
+_SWITCH_INTERVAL_S = 0.0001  # while reading: how soon the read-ahead thread gets the GIL back from the parser
 _GZIP_READ = 1 << 18  # compressed bytes read at a time
 _INFLATE_CHUNK = 1 << 22  # inflated bytes per zlib call: the thread takes the GIL once per chunk
 _MAX_PENDING_CHARS = 1 << 26  # one event larger than this is treated as malformed JSON
+#: What ``summarize(..., work=dict)`` counts, in bytes of (uncompressed) trace: ``read`` from the file, ``indexed``
+#: (searched for boundaries, taints and markers), ``decoded`` (handed to a decoder); and ``fills``
+#: (buffer refills).
+WORK_KEYS = ("read", "indexed", "decoded", "fills")
 
 
 class TraceError(ValueError):
     """The trace cannot be summarised; the message names the file and says why."""
 
 
-def summarize(path: str | Path, parser: str = "auto") -> dict[str, Any]:
+def summarize(path: str | Path, parser: str = "auto", work: dict[str, int] | None = None) -> dict[str, Any]:
     """Statistics per ``__sec:`` section of the trace at ``path``.
 
     Returns ``{"sections": {name: {"count", "min_s", "mean_s", "median_s", "max_s"}}, "sources": {name:
     "kernels" | "cpu" | "mixed"}, "trace": str, "events": int, "launches": int, "kernels": int, "parser": str}``
     plus ``"devices"`` (GPU names) when the trace records them. ``sections`` is ordered as :data:`SECTION_ORDER`.
-    Raises :class:`TraceError` for a missing, empty, truncated or non-trace file, or one without sections.
+    ``work``, a dict, receives what reading cost (:data:`WORK_KEYS`; the json parsers): linear in the file's size
+    whatever its layout. Raises :class:`TraceError` for a missing, empty, truncated or non-trace file, or one
+    without sections.
     """
     path = Path(path)
     if parser not in PARSERS:
         raise TraceError(f"{path}: unknown parser {parser!r}; use one of {', '.join(PARSERS)}")
     collected = _Collected()
-    state = _ReadState(collected, skim=parser in ("auto", "orjson"))
+    state = _ReadState(collected, skim=parser in ("auto", "orjson"), work=work)
     if parser == "orjson":
         state.fast = _accelerator(path)
     try:
@@ -232,27 +252,27 @@ def _open_binary(path: Path) -> Iterator[BinaryIO]:
 
 @contextmanager
 def _open_text(path: Path) -> Iterator[io.TextIOWrapper]:
-    """The decoded text of ``path`` (a BOM dropped, bad bytes replaced); compressed input is inflated ahead in a
-    thread."""
+    """The text of ``path`` byte for byte (as Latin-1: one character a byte, so every string operation runs on
+    one-byte characters however much non-ASCII text the trace holds; :func:`_utf8` decodes what is kept);
+    read ahead by a thread (and inflated there when compressed).
+
+    While the file is read, the interpreter's switch interval is :data:`_SWITCH_INTERVAL_S` (restored after): at
+    the default 5 ms the reading thread waited that long for the GIL each time it came back from zlib or the disk,
+    and the parser then waited for text (1 GB gzipped, mixed-after: 87.0 -> 104.9 MB/s with orjson)."""
     with _open_binary(path) as stream:
-        if isinstance(stream, io.BufferedReader):
-            ahead = None
-        elif isinstance(stream, gzip.GzipFile):  # its file (not read yet), inflated in long zlib calls: _inflate
+        if isinstance(stream, gzip.GzipFile):  # its file (not read yet), inflated in long zlib calls: _inflate
             ahead = _ReadAhead(_inflate(stream.fileobj, _INFLATE_CHUNK))
         else:
-            ahead = _ReadAhead(iter(lambda: stream.read(_CHUNK_CHARS), b""))
-        text = io.TextIOWrapper(
-            stream if ahead is None else io.BufferedReader(ahead, _CHUNK_CHARS),
-            encoding="utf-8-sig",
-            errors="replace",
-            newline="",
-        )
+            ahead = _ReadAhead(iter(lambda: stream.read(_INFLATE_CHUNK), b""))
+        text = io.TextIOWrapper(io.BufferedReader(ahead, _CHUNK_CHARS), encoding="latin-1", newline="")
+        switch = sys.getswitchinterval()
+        sys.setswitchinterval(_SWITCH_INTERVAL_S)
         try:
             yield text
         finally:
+            sys.setswitchinterval(switch)
             text.detach()
-            if ahead is not None:
-                ahead.stop()
+            ahead.stop()
 
 
 def _inflate(raw: BinaryIO, size: int) -> Iterator[bytes]:
@@ -338,22 +358,29 @@ class _ReadAhead(io.RawIOBase):
 class _Scanner:
     """Walks a JSON text one value at a time with the C scanner of :mod:`json`, refilling a bounded buffer."""
 
-    def __init__(self, stream: io.TextIOWrapper, path: Path) -> None:
-        self.stream, self.path = stream, path
+    def __init__(self, stream: io.TextIOWrapper, path: Path, work: dict[str, int]) -> None:
+        self.stream, self.path, self.work = stream, path, work
         self.buf, self.pos, self.base, self.eof = "", 0, 0, False
+        self.generation = 0  # counts refills: an index of ``buf`` is valid while this is unchanged
         self.scan = json.JSONDecoder().scan_once
 
     def fill(self) -> bool:
-        """Append the next chunk to the buffer (dropping the text before ``pos``); False at the end of the file."""
+        """Append the next chunk to the buffer (dropping the text before ``pos``); False at the end of the file.
+
+        A chunk is at least as long as the text kept, so a value that spans many chunks is scanned again only
+        as often as the buffer doubles: its cost stays linear in its length."""
         if self.eof:
             return False
-        data = self.stream.read(_CHUNK_CHARS)
+        data = self.stream.read(max(_CHUNK_CHARS, len(self.buf) - self.pos))
         if not data:
             self.eof = True
             return False
         self.base += self.pos
         self.buf = self.buf[self.pos :] + data
         self.pos = 0
+        self.generation += 1
+        self.work["read"] += len(data)
+        self.work["fills"] += 1
         return True
 
     def peek(self) -> str:
@@ -381,6 +408,7 @@ class _Scanner:
         """Decode the next complete JSON value (refilling the buffer when it ends inside it)."""
         if self.peek() == "":
             raise self.error("truncated", "the file ends where a value should start")
+        work = self.work
         while True:
             buf, pos = self.buf, self.pos
             try:
@@ -390,15 +418,17 @@ class _Scanner:
             except json.JSONDecodeError as exc:
                 err_pos, msg = exc.pos, exc.msg
             else:
+                work["decoded"] += end - pos
                 if end < len(buf) or self.eof or not self.fill():  # a number could go on in the next chunk
                     self.pos = end
-                    return obj
+                    return obj if buf.isascii() else self.scan(_utf8(buf[pos:end]), 0)[0]
                 continue
+            work["decoded"] += len(buf) - pos  # at most: how far the scanner got is not known
             at_end = err_pos >= len(buf) - 64 or msg.startswith("Unterminated string")
             if not at_end or len(buf) - pos > _MAX_PENDING_CHARS:
-                raise self.error("malformed", f"{msg} at character {self.base + err_pos}")
+                raise self.error("malformed", f"{msg} at byte {self.base + err_pos}")
             if not self.fill():
-                raise self.error("truncated", f"{msg} at character {self.base + err_pos}, the end of the file")
+                raise self.error("truncated", f"{msg} at byte {self.base + err_pos}, the end of the file")
 
     def error(self, kind: str, detail: str) -> TraceError:
         """A :class:`TraceError` naming the file: ``truncated`` (asks whether it was still written) or malformed."""
@@ -408,9 +438,10 @@ class _Scanner:
 
 
 class _ReadState:
-    """The event reader's settings and tallies: where events go, top-level keys, events decoded and skipped."""
+    """The event reader's settings and tallies: where events go, top-level keys, events decoded and skipped, and
+    the work done (bytes read, indexed and handed to a decoder; refills)."""
 
-    def __init__(self, collected: _Collected, skim: bool) -> None:
+    def __init__(self, collected: _Collected, skim: bool, work: dict[str, int] | None = None) -> None:
         self.collected = collected
         self.add = _adder(collected)  # takes one decoded event
         self.skim = skim  # allowed to skip events that cannot matter
@@ -418,12 +449,19 @@ class _ReadState:
         self.skimmed = False  # it did
         self.decoded = self.skipped = 0
         self.meta: dict[str, Any] = {}
+        self.work = work if work is not None else {}
+        for key in WORK_KEYS:
+            self.work[key] = 0
 
 
 def _read_events_json(stream: io.TextIOWrapper, path: Path, state: _ReadState) -> None:
     """Hand the trace events to ``state.add`` one by one; top-level keys other than ``traceEvents`` go to
     ``state.meta``."""
-    sc = _Scanner(stream, path)
+    sc = _Scanner(stream, path, state.work)
+    while len(sc.buf) < len(_BOM) and sc.fill():
+        pass
+    if sc.buf.startswith(_BOM):
+        sc.pos = len(_BOM)
     first = sc.peek()
     if first == "":
         raise TraceError(f"{path}: empty file (no JSON in it)")
@@ -454,218 +492,176 @@ def _read_events_json(stream: io.TextIOWrapper, path: Path, state: _ReadState) -
     else:
         raise TraceError(f"{path}: not a chrome trace: it does not start with '{{' or '[' (found {first!r})")
     if sc.peek() != "":
-        raise sc.error("malformed", f"unexpected data after the JSON document at character {sc.base + sc.pos}")
+        raise sc.error("malformed", f"unexpected data after the JSON document at byte {sc.base + sc.pos}")
 
 
 class _ArrayReader:
-    """Reads the event list: every event decoded (checked mode), or, once the text between events is known, only the
-    events that can matter (skim mode).
+    """Reads the event list: every element decoded (``skim`` off), or only the events that can matter.
 
-    Checked mode decodes value after value with the C scanner of :mod:`json` and checks the separators. From the
-    first events it learns the *head*: the exact text from one event's closing ``}`` through the next event's first
-    key and colon, e.g. ``},\\n  {\\n    "ph":`` in torch/kineto's layout or ``}, {"ph":`` on one line. A raw ``"``
-    never occurs inside a JSON string, so in valid JSON every occurrence of the head is structural: an object closed,
-    a comma, an object opened with that first key. Skim mode then searches the text for the literals of
-    :data:`_MARKERS` and decodes only the event around each (the one opened by the last head before the marker).
-    The events in between are counted, not decoded: a window between two heads holds as many events as heads, and
-    that is trusted only when the window also holds exactly as many of the first key (``"ph":``) and of the gap (the
-    head without its key): an event without that first key, a nested list of objects written with the same
-    separator, or the end of the list shows as a difference, and the window is then read in checked mode. A decoded
-    event must be a dict with ``ph`` that spans its marker. The last events and the closing bracket always go through
-    checked mode, so truncation and malformed endings are reported as without skimming.
+    Skimming rests on one pattern, :data:`_BOUNDARY`: ``}``, a comma, ``{`` and a key that starts with a letter,
+    whitespace anywhere between. A raw ``"`` never occurs inside a JSON string and a string that closes cannot be
+    followed by a letter, so that quote opens a key: no part of a match lies inside a string, and the two objects are
+    consecutive elements of one list, whatever the layout of either (kineto's templates of any year, one line, keys
+    sharing lines, indented, CRLF). That list may still be nested in an event (a list of objects in its args), or
+    follow the event list; but the first object of any such list is opened right after a ``[``, or after a comma that
+    follows no object, and :data:`_OBJECT_IN_LIST` finds every ``{`` opened after a ``[`` or a comma. So from a known
+    element start, the text up to the next boundary is exactly one event when it holds no ``{`` of that kind other
+    than the boundaries' own (a *taint*; one inside a string only costs a decode).
+
+    Each buffer is indexed once, in C (:meth:`_index`): boundaries, taints, and the events holding a marker
+    (:data:`_MARKERS`). Clean events are counted without being decoded; events with a marker are decoded from their
+    exact text (orjson, or the json scanner, which must end exactly at the boundary); an element with a taint, or
+    without a boundary after it in the buffer, is decoded by the json scanner on its own, and counting resumes at the
+    next element. Only the unfinished event carried into the next buffer is indexed again, and a buffer grows by at
+    least what it carries, so the work is linear in the text whatever the mix of layouts (``work`` counts it); the
+    degraded path costs one decode per element it takes. The last events and the closing bracket always go through
+    the scanner, so truncation and malformed endings are reported as without skimming.
     """
 
     def __init__(self, sc: _Scanner, state: _ReadState) -> None:
         self.sc, self.state = sc, state
-        self.head = ""
-        self.same: tuple[str, ...] = ()  # texts that occur exactly once per head in a span (see _events_in)
-        self.never: tuple[str, ...] = ()  # texts that do not occur in a span
-        self.brace = 0  # index of the '{' in the head
-        self.candidate, self.agreed = "", 0
         self.fast = state.fast  # optional accelerator: the text of one event -> the event (ValueError if not one)
+        self.indexed = -1  # the scanner's generation the index below describes
+        self.opens: list[int] = []  # the '{' of every boundary after the indexed position: where an event starts
+        self.taints: list[int] = []  # where a list element opens other than at a boundary
+        self.marked: list[int] = []  # the events (indices into opens: the boundary each ends at) holding a marker
+        self.k = self.t = self.m = 0  # next boundary, taint, marked event
+        self.tainted = False  # the last buffer indexed had taints
 
     def read(self) -> None:
-        """Read the event list at the scanner's position, switching between checked and skim mode."""
+        """Read the event list at the scanner's position, counting clean events and decoding the others."""
         sc = self.sc
         sc.expect("[", "at the start of the event list")
         if sc.peek() == "]":
             sc.pos += 1
             return
-        target = 0
+        if not self.state.skim:
+            self._decode_elements(-1)
+            return
         while True:
-            q = self._checked(target)
-            if q is None:
-                return
-            self.state.skimmed = True
-            target = self._skim(q)
-            if target is None:
-                return
-
-    def _checked(self, target: int) -> int | None:
-        """Decode events (``sc.pos`` at the next one) until the list ends (returns None) or, past the absolute
-        offset ``target``, an event is followed by the learned head (returns the head's index in ``sc.buf``)."""
-        sc, scan, separator, state = self.sc, self.sc.scan, _SEPARATOR.match, self.state
-        skim, add = state.skim, state.add
-        while True:
-            sc.peek()  # the fast loop starts at a value, not at the whitespace before it
-            buf, pos = sc.buf, sc.pos
-            while True:  # events followed by a comma inside the buffer
-                try:
-                    obj, end = scan(buf, pos)
-                except (StopIteration, json.JSONDecodeError):
-                    break
-                comma = separator(buf, end)
-                if comma is None:
-                    break
-                add(obj)
-                state.decoded += 1
-                if skim and sc.base + end > target and self._at_head(buf, end - 1):
-                    sc.pos = end - 1
-                    return end - 1
-                pos = comma.end()
-            sc.pos = pos
-            add(sc.value())  # at the end of the buffer, the last event, or an error: refills and reports
-            state.decoded += 1
-            end = sc.base + sc.pos
-            if sc.expect(",]", "in the traceEvents list") == "]":
-                return None
-            at = end - 1 - sc.base
-            if skim and end > target and at >= 0 and self._at_head(sc.buf, at):
-                sc.pos = at
-                return at
-
-    def _at_head(self, buf: str, at: int) -> bool:
-        """Whether the learned head starts at ``buf[at]`` (the '}' closing an event); learns it from the first
-        events: :data:`_LEARN_EVENTS` consecutive identical heads."""
-        if self.head:
-            return buf.startswith(self.head, at)
-        match = _HEAD.match(buf, at)
-        if match is None:
-            self.candidate, self.agreed = "", 0
-            return False
-        text = match.group()
-        if text != self.candidate:
-            self.candidate, self.agreed = text, 0
-        self.agreed += 1
-        if self.agreed < _LEARN_EVENTS:
-            return False
-        self.head, self.brace = text, text.index("{")
-        space = text[2 : self.brace]  # between the comma and the '{'
-        if "\n" in space:
-            self.same, self.never = (space + "{",), ()
-        else:
-            self.same, self.never = ("," + space + "{",), tuple(dict.fromkeys(("[" + space + "{", "[{")))
-        return True
-
-    def _events_in(self, buf: str, start: int, stop: int) -> int:
-        """The events in ``buf[start:stop]`` (``start`` at a head, ``stop`` at a head or an event's end): one per
-        head, once every head there is known to sit between two events of the list; else -1.
-
-        A head is an object closed, a comma, an object opened: two elements of *some* list. A nested list would
-        show where its first object is opened: after ``[`` or after a comma that follows no object; so would an
-        event that does not open with the key. Where the separator holds a line break (pretty-printed: kineto, one
-        event a line, indented) every line-break-and-indent-then-``{`` must belong to a head; on one line, every
-        ``,{`` (with the separator's spaces) must, and no ``[{`` may occur. (A writer is assumed to separate list
-        items the same way everywhere; the event list's own opening lies before any span.)"""
-        n = buf.count(self.head, start, stop)
-        for needle in self.same:
-            if buf.count(needle, start, stop) != n:
-                return -1
-        for needle in self.never:
-            if buf.find(needle, start, stop) >= 0:
-                return -1
-        return n
-
-    def _skim(self, q: int) -> int | None:
-        """Skim from the head at ``sc.buf[q]``: decode the events around markers, count the others.
-
-        Work is settled per span (a buffer's worth, see :meth:`_read_span`): its decoded events go to the
-        collector at once (while in the cache) and are taken back unless :meth:`_events_in` vouches for the span,
-        which checked mode then reads again. Returns None at the end of the list, else the absolute offset up to
-        which checked mode must read, with ``sc.pos`` at the start of the event it goes on from."""
-        sc, brace, state = self.sc, self.brace, self.state
-        start = q
-        while True:
-            buf, mark = sc.buf, state.collected.mark()
-            q, end, m, decoded = self._read_span(buf, q)
-            n = self._events_in(buf, start, end if end > 0 else q)
-            if n < 0:  # checked mode reads the span again
-                state.collected.rollback(mark)
-                sc.pos = start + brace
-                return sc.base + max(end, q, m)
-            state.decoded += decoded
-            state.skipped += n - decoded
-            if end == -2:  # no marker left, or its event goes on in the next chunk
-                if not self._refill(q):
-                    return sc.base + len(sc.buf)  # the tail of the list, or an oversized event: checked mode
-                q = start = sc.pos
-            elif end == -1:  # not an event around the marker after all: checked mode decodes it (or reports)
-                sc.pos = q + brace
-                return sc.base + m
-            else:  # the list ends here, or the next event opens differently
-                sc.pos = end
-                if sc.expect(",]", "in the traceEvents list") == "]":
-                    return None
-                return sc.base + sc.pos
-
-    def _read_span(self, buf: str, q: int) -> tuple[int, int, int, int]:
-        """From the head at ``buf[q]``, hand the event around each marker to the collector while each is followed
-        by a head; return ``(q, end, marker, decoded)``: the head reached, how it stopped (``end > 0``: an event
-        that ends there without a head after it; -2: no marker left in ``buf``, ``q`` is then its last head, or
-        the event at ``q`` goes on in the next chunk; -1: the event at ``q`` is not a trace event around
-        ``marker``), and the number of events decoded."""
-        head, brace, scan, fast, add = self.head, self.brace, self.sc.scan, self.fast, self.state.add
-        find, rfind, startswith = buf.find, buf.rfind, buf.startswith
-        m, decoded = q, 0
-        for m in _marker_positions(buf, q):
-            if m < q:  # inside an event already decoded
+            if self._skim():
                 continue
-            h = rfind(head, q, m)
-            if h < 0:
-                return q, -1, m, decoded
-            end = 0
-            if fast is not None and (stop := find(head, m)) >= 0:
-                try:  # the accelerator takes the text up to the next head, which must be exactly one value
-                    event, end = fast(buf[h + brace : stop + 1]), stop + 1
-                except ValueError:  # not one value, or one it refuses: the json scanner decides
-                    end = 0
-            if not end:
-                try:
-                    event, end = scan(buf, h + brace)
-                except (StopIteration, json.JSONDecodeError):
-                    return h, -2 if find(head, m) < 0 and not self.sc.eof else -1, m, decoded
-            if end <= m or not isinstance(event, dict) or "ph" not in event:
-                return h, -1, m, decoded
-            add(event)
-            decoded += 1
-            if not startswith(head, end - 1):
-                return h, end, m, decoded
-            q = end - 1
-        last = rfind(head, q + 1)
-        return max(last, q), -2, m, decoded
+            if self.k == len(self.opens) and len(sc.buf) - sc.pos < _CHUNK_CHARS and sc.fill():
+                continue  # the event goes on in the next chunk: read on (once) rather than fail to decode it
+            if self._decode_elements(1):
+                return
 
-    def _refill(self, q: int) -> bool:
-        """Read on, keeping the text from ``q``; False (``sc.pos`` at the event after ``q``) at the end of the file
-        or when one event would outgrow :data:`_MAX_PENDING_CHARS`: checked mode takes over there."""
+    def _decode_elements(self, count: int) -> bool:
+        """Decode ``count`` elements (all when negative) from ``sc.pos``, the start of one; True when the list
+        ends."""
+        sc, scan, separator, state = self.sc, self.sc.scan, _SEPARATOR.match, self.state
+        add, work = state.add, state.work
+        while count:
+            count -= 1
+            buf, pos = sc.buf, sc.pos
+            try:  # the common case first: the element and its comma inside the buffer
+                obj, end = scan(buf, pos)
+                comma = separator(buf, end)
+            except (StopIteration, json.JSONDecodeError):
+                comma, end = None, len(buf)  # how far the scanner got is not known: at most to the end
+            work["decoded"] += end - pos
+            if comma is not None and comma.end() < len(buf):
+                add(obj if buf.isascii() else scan(_utf8(buf[pos:end]), 0)[0])
+                state.decoded += 1
+                sc.pos = comma.end()
+                continue
+            add(sc.value())  # at the end of the buffer, the last element, or an error: refills and reports
+            state.decoded += 1
+            if sc.expect(",]", "in the traceEvents list") == "]":
+                return True
+            sc.peek()  # at the next element
+        return False
+
+    def _skim(self) -> bool:
+        """From ``sc.pos`` (an element's start), count the clean events up to the next taint and decode those with
+        a marker; False when the element there needs the scanner (a taint in it, or no boundary after it)."""
         sc = self.sc
-        sc.pos = q
-        if len(sc.buf) - q > _MAX_PENDING_CHARS or not sc.fill():
-            sc.pos = q + self.brace
+        buf, pos = sc.buf, sc.pos
+        if self.indexed != sc.generation:
+            self._index(buf, pos)
+        opens, taints, marked = self.opens, self.taints, self.marked
+        k = self.k = bisect.bisect_right(opens, pos, self.k)
+        t = self.t = bisect.bisect_right(taints, pos, self.t)
+        stop = bisect.bisect_left(opens, taints[t], k) if t < len(taints) else len(opens)
+        if stop == k:
             return False
+        m = bisect.bisect_left(marked, k, self.m)
+        m_stop = self.m = bisect.bisect_left(marked, stop, m)
+        rfind, fast, scan, add, size = buf.rfind, self.fast, sc.scan, self.state.add, 0
+        ascii_text = buf.isascii()  # O(1): a str knows
+        for s in marked[m:m_stop]:
+            start = pos if s == k else opens[s - 1]
+            stop_at = rfind("}", start, opens[s]) + 1
+            size += stop_at - start
+            if fast is not None:
+                text = buf[start:stop_at]
+                try:  # orjson reads UTF-8 bytes itself
+                    add(fast(text if text.isascii() else text.encode("latin-1")))
+                    continue
+                except ValueError:  # refused (an integer beyond 64 bits, invalid UTF-8): the scanner decides
+                    pass
+            elif ascii_text:  # the json scanner, in place
+                try:
+                    event, end = scan(buf, start)
+                except (StopIteration, json.JSONDecodeError):
+                    end = -1
+                if end == stop_at:
+                    add(event)
+                    continue
+            self._decode_event(buf[start:stop_at], start)  # decoded as UTF-8, or the error reported
+        self.state.work["decoded"] += size
+        n = m_stop - m
+        self.state.decoded += n
+        self.state.skipped += stop - k - n
+        self.state.skimmed = True
+        sc.pos = opens[stop - 1]
+        self.k = stop
         return True
 
+    def _index(self, buf: str, pos: int) -> None:
+        """Find the boundaries after ``pos``, and the taints and the marked events before the last boundary (a few
+        passes of C code over the text, once per refill)."""
+        self.indexed = self.sc.generation
+        self.k = self.t = self.m = 0
+        self.taints, self.marked = [], []
+        opens = self.opens = [match.start(1) for match in _BOUNDARY.finditer(buf, pos)]
+        self.state.work["indexed"] += len(buf) - pos
+        if not opens:
+            return
+        last = opens[-1]
+        # counted first (cheap); located where they differ, at once after a buffer that had taints
+        if self.tainted or len(_OBJECT_IN_LIST.findall(buf, pos + 1, last)) != len(opens) - 1:
+            found = {match.start() for match in _OBJECT_IN_LIST.finditer(buf, pos + 1, last)}
+            self.taints = sorted(found.difference(opens))
+            self.tainted = bool(self.taints)
+        marked: set[int] = set()
+        find, bisect_right = buf.find, bisect.bisect_right
+        for literal in _MARKERS:
+            at = find(literal, pos, last)
+            while at >= 0:
+                s = bisect_right(opens, at)
+                marked.add(s)
+                at = find(literal, opens[s], last)  # the rest of that event needs no search
+        self.marked = sorted(marked)
 
-def _marker_positions(buf: str, start: int) -> list[int]:
-    """Where the literals of :data:`_MARKERS` occur in ``buf`` from ``start`` on, in order."""
-    hits: list[int] = []
-    find, append = buf.find, hits.append
-    for literal in _MARKERS:
-        at = find(literal, start)
-        while at >= 0:
-            append(at)
-            at = find(literal, at + 1)
-    hits.sort()
-    return hits
+    def _decode_event(self, text: str, start: int) -> None:
+        """Decode ``text``, exactly one event (found at ``start`` in the buffer), with the json scanner and hand it
+        to the collector."""
+        sc, text = self.sc, _utf8(text)
+        try:
+            event, end = sc.scan(text, 0)
+        except StopIteration as exc:
+            raise sc.error("malformed", f"Expecting value at byte {sc.base + start + exc.value}") from exc
+        except json.JSONDecodeError as exc:
+            raise sc.error("malformed", f"{exc.msg} at byte {sc.base + start + exc.pos}") from exc
+        if end != len(text):
+            raise sc.error("malformed", f"an event ends at byte {sc.base + start + end}, before its boundary")
+        self.state.add(event)
+
+
+def _utf8(text: str) -> str:
+    """The text as UTF-8 (bad bytes replaced), from the one-character-a-byte text :func:`_open_text` reads."""
+    return text if text.isascii() else text.encode("latin-1").decode("utf-8", "replace")
 
 
 def _accelerator(path: Path) -> Any:
@@ -706,8 +702,7 @@ def _iter_events_ijson(path: Path) -> Iterator[Any]:
 
 # ---------------------------------------------------------------------------------------------------------- analysis
 class _Collected:
-    """What one pass keeps: section ranges, and compact arrays for launches and kernels. What was added after a
-    :meth:`mark` can be taken back (:meth:`rollback`)."""
+    """What one pass keeps: section ranges, and compact arrays for launches and kernels."""
 
     def __init__(self) -> None:
         self.events = 0
@@ -715,19 +710,6 @@ class _Collected:
         self.threads: dict[tuple[Any, Any], int] = {}
         self.launch_thread, self.launch_ts, self.launch_corr = array("i"), array("d"), array("q")
         self.kernel_corr, self.kernel_start, self.kernel_end = array("q"), array("d"), array("d")
-
-    def mark(self) -> tuple[int, int, int]:
-        """Where the ranges, launches and kernels end now."""
-        return len(self.ranges), len(self.launch_ts), len(self.kernel_corr)
-
-    def rollback(self, mark: tuple[int, int, int]) -> None:
-        """Drop what was added after ``mark`` (thread indices stay: unused ones are harmless)."""
-        ranges, launches, kernels = mark
-        del self.ranges[ranges:]
-        for column in (self.launch_thread, self.launch_ts, self.launch_corr):
-            del column[launches:]
-        for column in (self.kernel_corr, self.kernel_start, self.kernel_end):
-            del column[kernels:]
 
 
 def _is_launch_name(name: str, cache: dict[str, bool]) -> bool:

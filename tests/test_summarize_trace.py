@@ -6,6 +6,8 @@ import gzip
 import itertools
 import json
 import os
+import random
+import statistics
 import subprocess
 import sys
 import threading
@@ -382,7 +384,8 @@ def test_events_after_the_list_are_not_counted(tmp_path, layout):
 
 @pytest.mark.parametrize("chunk", [1, 5, 4096])
 def test_raw_utf8_text_and_a_bom_split_across_chunks(tmp_path, monkeypatch, chunk):
-    # chunks of 1 and 5 split multi-byte characters in the gzip read-ahead; skimming needs chunks longer than events
+    # chunks of 1 and 5 split multi-byte characters in the gzip read-ahead; the buffer grows to hold an event, so
+    # skimming works whatever the chunk
     trace = make_trace()
     events = trace["traceEvents"]
     for i, ev in enumerate(events):
@@ -390,17 +393,205 @@ def test_raw_utf8_text_and_a_bom_split_across_chunks(tmp_path, monkeypatch, chun
             ev["name"] = "aten::mm_ünïcødé_操作"  # multi-byte characters in skipped and decoded text alike
         if ev.get("cat") == "kernel":
             ev["name"] = "void k<ε>()"
-    text = "\ufeff" + "[\n" + ",\n".join(json.dumps(ev, ensure_ascii=False) for ev in events) + "\n]\n"
+    events.append(section("validación_検証", 0, 2500))  # a section named in UTF-8: reported as named
+    trace["deviceProperties"] = [{"id": 0, "name": "Tésla Ü 80GB"}]
+    body = ",\n".join(json.dumps(ev, ensure_ascii=False) for ev in events)
+    text = "\ufeff" + '{"deviceProperties": ' + json.dumps(trace["deviceProperties"], ensure_ascii=False)
+    text += ', "traceEvents": [\n' + body + "\n]}\n"
     plain, packed = tmp_path / "trace.json", tmp_path / "trace.json.gz"
     plain.write_bytes(text.encode("utf-8"))
     packed.write_bytes(gzip.compress(text.encode("utf-8")))
     monkeypatch.setattr(st, "_CHUNK_CHARS", chunk)
     full = st.summarize(plain, parser="json")
     for path in (plain, packed):
-        skim = st.summarize(path)
-        assert skim["parser"] == ("json-skim" if chunk > 1000 else "json")
-        assert {**skim, "parser": "", "trace": ""} == {**full, "parser": "", "trace": ""}
-        check(skim["sections"], EXPECTED_KERNELS)
+        for parser in ("auto", "orjson") if has("orjson") else ("auto",):
+            skim = st.summarize(path, parser=parser)
+            assert skim["parser"] == parser.replace("auto", "json") + "-skim"
+            assert {**skim, "parser": "", "trace": ""} == {**full, "parser": "", "trace": ""}
+            check(skim["sections"], EXPECTED_KERNELS)
+            check(skim["sections"], {"validación_検証": (1, 2500e-6, 2500e-6, 2500e-6, 2500e-6)})
+            assert skim["devices"] == ["Tésla Ü 80GB"]
+
+
+def test_bytes_that_are_not_utf8_are_replaced_as_a_text_reader_would(tmp_path):
+    text = kineto_text(make_trace()).replace('"__sec:step"', '"__sec:st\xffep"').encode("latin-1")
+    (tmp_path / "trace.json").write_bytes(text)
+    for parser in ("auto", "json", "orjson") if has("orjson") else ("auto", "json"):
+        summary = st.summarize(tmp_path / "trace.json", parser=parser)
+        assert summary["sections"]["st\ufffdep"]["count"] == 4, parser
+
+
+# ------------------------------------------------------------------------- traces built to defeat skimming
+# Names with C++ punctuation, separator-like text, quotes, escapes and non-ASCII characters inside strings
+LONG_KERNEL = (
+    "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::(anonymous namespace)::"
+    "TensorListMetadata<4>, at::native::FusedAdamMathFunctor<float, 4>::{lambda()#1}, float*, float, bool>("
+    "at::native::(anonymous namespace)::TensorListMetadata<4>, {lambda(float, float)#2}, float*, float, bool)"
+)
+ODD_NAMES = ('}, {"ph": "X", "cat": "kernel", "ts": 0}', "[{x}, {y}] ,{ ,[{ }]", 'say "hi" \\ é \u2028 操作', "{")
+NESTED_LIKE_A_KERNEL = {
+    "inputs": [{"x": 1}, {"ph": "X", "cat": "kernel", "ts": 0, "dur": 9e9, "args": {"correlation": 1}}]
+}
+
+
+def _render(ev, rng):
+    """One event in a layout drawn at random: kineto 2026 (a key a line, ``"dur": ...\\n    ,\\n    "args": {``),
+    kineto 2022 (keys sharing lines), one line, minified, name first, args first and indented, CRLF and tabs."""
+    ascii_only = rng.random() < 0.5
+    dump = lambda v: json.dumps(v, ensure_ascii=ascii_only)  # noqa: E731
+    keys = [k for k in ev if k != "args"]
+    args = "" if "args" not in ev else dump(ev["args"])[1:-1]
+    kind = rng.randrange(7)
+    if kind == 0:
+        body = ",\n".join(f"    {dump(k)}: {dump(ev[k])}" for k in keys)
+        return "  {\n" + body + ("" if "args" not in ev else f'\n    ,\n    "args": {{\n      {args}\n    }}') + "\n  }"
+    if kind == 1:
+        first = ", ".join(f"{dump(k)}: {dump(ev[k])}" for k in keys[:5])
+        rest = ", ".join(f"{dump(k)}: {dump(ev[k])}" for k in keys[5:])
+        tail = "" if "args" not in ev else f',\n    "args": {{\n      {args}\n    }}'
+        return f"  {{\n    {first}{',' if rest else ''}\n    {rest}{tail}\n  }}"
+    if kind == 2:
+        return json.dumps(ev, ensure_ascii=ascii_only)
+    if kind == 3:
+        return json.dumps(ev, ensure_ascii=ascii_only, separators=(",", ":"))
+    if kind == 4:
+        return json.dumps({"name": ev.get("name", ""), **ev}, ensure_ascii=ascii_only)
+    if kind == 5:
+        return json.dumps({"args": ev.get("args", {}), **ev}, ensure_ascii=ascii_only, indent=1)
+    return json.dumps(ev, ensure_ascii=ascii_only, indent="\t").replace("\n", "\r\n")
+
+
+def adversarial_trace(blocks, seed=0):
+    """A trace of ``blocks`` training steps written to defeat skimming, and the section durations (µs) it holds.
+
+    Per step: sections with launches and kernels (long C++ names), events in seven layouts mixed at random with
+    random separators, names holding braces, brackets, quotes, escapes and event-like text, a list of objects
+    written like a kernel inside an operator's args, empty and oddly keyed list elements, markers written with
+    ``\\u`` escapes, and every fifth step a stretch of 300 operators without any marker."""
+    rng = random.Random(seed)
+    texts, expected = [], {"step": [], "forward": [], "backward": []}
+    corr = itertools.count(1).__next__
+    for b in range(blocks):
+        t = 100_000 * b
+        events = [{"name": "thread_name", "ph": "M", "pid": PID, "tid": TID, "args": {"name": f"thread {b}"}}]
+        events.append(section("step", t, 9000 + b))
+        expected["step"].append(9000 + b)
+        for name, start, tid in (("forward", t + 100, TID), ("backward", t + 3000, OTHER_TID)):
+            events.append(section(name, start, 2000))
+            cs = [corr() for _ in range(3)]
+            for i, c in enumerate(cs):
+                events.append(cpu_op(ODD_NAMES[(b + i) % len(ODD_NAMES)], start + 10 + i, 5))
+                events.append(launch(CUDA_LAUNCHES[i], start + 20 + 100 * i, c, tid=TID if name == "forward" else tid))
+                events.append(
+                    {"ph": "s", "id": c, "pid": PID, "tid": tid, "ts": start + 20, "cat": "ac2g", "name": "ac2g"}
+                )
+            span = 100 + b + (7 if name == "backward" else 0)
+            for i, c in enumerate(cs):
+                ev = kernel(t + 50_000 + (span - 40 if i == 2 else 10 * i), 40 if i == 2 else 10, c)
+                ev["name"] = LONG_KERNEL
+                events.append(ev)
+            expected[name].append(span)
+        events.append(
+            {
+                "ph": "X",
+                "cat": "cpu_op",
+                "name": "aten::cat",
+                "pid": PID,
+                "tid": TID,
+                "ts": t,
+                "dur": 1,
+                "args": NESTED_LIKE_A_KERNEL,
+            }
+            if b % 3 == 0
+            else {}
+        )
+        events.append({"1st key": "not a letter", "ph": "i", "ts": t})
+        if b % 5 == 2:
+            events += [cpu_op(f"aten::stack_{i}", t + 9000, 1) for i in range(300)]
+        for ev in events:
+            text = _render(ev, rng)
+            if ev.get("cat") in ("kernel", "cuda_runtime") and rng.random() < 0.2:  # decoded, not matched byte by byte
+                text = text.replace('"kernel"', '"\\u006bernel"').replace("Launch", "L\\u0061unch")
+            texts.append(text.replace('"__sec:', '"\\u005f_sec:') if rng.random() < 0.1 else text)
+    seps = (",\n", ", ", ",", "\n,\n", " ,\r\n\t")
+    body = texts[0] + "".join(rng.choice(seps) + text for text in texts[1:])
+    return '{"traceEvents": [\n' + body + '\n],\n"traceName": "__sec:kernel cudaLaunchKernel"}\n', expected
+
+
+def check_durations(summary, expected_us):
+    """Every section's statistics equal those of the durations the trace was built with."""
+    for name, values in expected_us.items():
+        values = sorted(values)
+        want = (len(values), values[0] / 1e6, statistics.fmean(values) / 1e6, statistics.median(values) / 1e6)
+        got = summary["sections"][name]
+        assert (got["count"], got["min_s"], got["mean_s"], got["median_s"]) == pytest.approx(want, abs=1e-9), name
+        assert got["max_s"] == pytest.approx(values[-1] / 1e6, abs=1e-9), name
+
+
+@pytest.mark.parametrize("parser", ["auto", "orjson"])
+def test_work_is_linear_in_the_trace_on_layouts_built_to_defeat_skimming(tmp_path, monkeypatch, parser):
+    """Characters searched and decoded (counted, not timed) for 2N steps are at most ~2x those for N steps, and a
+    bounded multiple of the characters read whatever the chunk size: no text is re-scanned per event or per
+    fallback (a reader that searched the rest of its buffer again at each fallback does chunk/event work per
+    character)."""
+    needs(parser)
+    full = {}
+    for chunk in (1 << 12, 1 << 16):
+        monkeypatch.setattr(st, "_CHUNK_CHARS", chunk)
+        for blocks in (30, 60):
+            text, expected = adversarial_trace(blocks)
+            path = tmp_path / f"{blocks}.json"
+            path.write_text(text, encoding="utf-8")
+            work = {}
+            summary = st.summarize(path, parser=parser, work=work)
+            check_durations(summary, expected)
+            if blocks not in full:
+                full[blocks] = st.summarize(path, parser="json")
+            assert {**summary, "parser": ""} == {**full[blocks], "parser": ""}
+            assert work["read"] == len(text.encode("utf-8"))
+            full[blocks, chunk] = work["indexed"] + work["decoded"]
+            assert full[blocks, chunk] < 3 * work["read"], (chunk, blocks, work)
+        assert full[60, chunk] < 2.2 * full[30, chunk], (chunk, full)
+
+
+def test_an_event_larger_than_many_chunks_costs_linear_work(tmp_path, monkeypatch):
+    """The buffer doubles to hold an event (or a top-level value) longer than a chunk, instead of growing a chunk at
+    a time and scanning the event again after each (quadratic in its length)."""
+    monkeypatch.setattr(st, "_CHUNK_CHARS", 1 << 10)
+    trace = make_trace()
+    huge = cpu_op("aten::mm", 1, 1)
+    huge["args"] = {"Concrete Inputs": ["{[x]} " * 200_000]}
+    trace["traceEvents"].insert(len(trace["traceEvents"]) // 2, huge)
+    trace["distributedInfo"] = {"pg_config": [{"ranks": list(range(100_000))}]}
+    path = write(tmp_path / "trace.json", trace)
+    for parser in ("auto", "json"):
+        work = {}
+        summary = st.summarize(path, parser=parser, work=work)
+        check(summary["sections"], EXPECTED_KERNELS)
+        assert summary["events"] == len(trace["traceEvents"])
+        assert work["indexed"] + work["decoded"] < 6 * work["read"], work
+        assert work["fills"] < work["read"] / (1 << 10) / 2, work  # fewer refills than chunks: the buffer grew
+
+
+def test_markers_written_with_unicode_escapes_are_found(tmp_path):
+    text = kineto_text(make_trace())
+    text = text.replace('"cudaLaunchKernel"', '"cudaLaunch\\u004bernel"').replace('"kernel"', '"\\u006bernel"')
+    text = text.replace('"__sec:forward"', '"\\u005f_sec:forward"')
+    (tmp_path / "trace.json").write_text(text)
+    summary = st.summarize(tmp_path / "trace.json")
+    assert summary["parser"] == "json-skim"
+    check(summary["sections"], EXPECTED_KERNELS)
+    check(summary["sections"], EXPECTED_CPU)
+
+
+@pytest.mark.parametrize("fraction", [0.01, 0.37, 0.5, 0.81, 0.9999])
+def test_a_cut_trace_of_mixed_layouts_is_reported_as_truncated(tmp_path, fraction):
+    text, _ = adversarial_trace(8, seed=3)
+    path = tmp_path / "cut.json"
+    path.write_text(text[: int(len(text) * fraction)], encoding="utf-8")
+    for parser in ("auto", "json"):
+        with pytest.raises(st.TraceError, match=r"cut\.json: truncated JSON"):
+            st.summarize(path, parser=parser)
 
 
 def test_a_failure_early_in_a_compressed_trace_stops_the_read_ahead_thread(tmp_path):
@@ -411,6 +602,23 @@ def test_a_failure_early_in_a_compressed_trace_stops_the_read_ahead_thread(tmp_p
     with pytest.raises(st.TraceError, match="malformed"):
         st.summarize(path)
     assert threading.active_count() == before
+
+
+@pytest.mark.parametrize("suffix", [".json", ".json.gz"])
+@pytest.mark.parametrize("good", [True, False], ids=["read", "malformed"])
+def test_reading_leaves_no_thread_and_the_interpreters_switch_interval_as_it_was(tmp_path, suffix, good):
+    """The file is read ahead by a thread with a short GIL switch interval while it runs (the summariser is also
+    called inside a training process): afterwards, whether the trace was read or refused, both are as before."""
+    text = kineto_text(make_trace()) if good else '{"traceEvents": [{"ph": "X"} {'
+    path = tmp_path / f"trace{suffix}"
+    path.write_bytes(gzip.compress(text.encode()) if suffix.endswith(".gz") else text.encode())
+    before, interval = threading.active_count(), sys.getswitchinterval()
+    if good:
+        check(st.summarize(path)["sections"], EXPECTED_KERNELS)
+    else:
+        with pytest.raises(st.TraceError, match="malformed"):
+            st.summarize(path)
+    assert threading.active_count() == before and sys.getswitchinterval() == interval
 
 
 def test_json_gz_and_zip_inputs_give_identical_results(tmp_path):
