@@ -99,8 +99,9 @@ def onnx_network(
     with lock:  # one process exports, the others (DDP ranks, parallel tests) wait and read its file
         _exclusive(lock)
         if _cached_key(model_file) != key:
-            export(network, model_file, window, key, weights)
-        check_cache(model_file)
+            export(network, model_file, window, key, weights)  # hashes what it wrote: nothing to check again
+        else:
+            check_cache(model_file)
     return OnnxNetwork(model_file, threads)
 
 
