@@ -40,8 +40,9 @@ For every shape the benchmark
 3. runs ``python -m scripts.summarize_trace TRACE --format json --parser P`` in a child process for each file and
    parser, checks its statistics against the generator's record (1e-6 s), and measures the child's wall time,
    throughput (MB/s of uncompressed trace, 10^6 bytes; also per CPU second of the child, steadier on a shared
-   machine, where it counts the read-ahead thread too), peak resident memory (the child's own ``VmHWM``; where
-   ``/proc`` is missing, ``ru_maxrss`` from ``os.wait4``, which also counts this process's memory), the load
+   machine, where it counts the read-ahead thread and the decoding process too), peak resident memory (the child's
+   own ``VmHWM`` plus its decoding process's peak; where ``/proc`` is missing, ``ru_maxrss`` from ``os.wait4``,
+   which also counts this process's memory), the load
    average and the CPU time the hypervisor gave other machines meanwhile (``steal %``, from ``/proc/stat``: on a
    VM, a row measured while neighbours were busy is slow for reasons that are not the summariser's).
 
@@ -1065,9 +1066,10 @@ def _stats(values_us: list[float]) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------------------------------------------ runner
 # The child reports its own peak RSS (VmHWM, of the process image after exec): ru_maxrss from wait4 would include
-# the memory of this (larger) benchmark process, which the child borrows between fork and exec.
+# the memory of this (larger) benchmark process, which the child borrows between fork and exec. It adds the peak of
+# the process it starts to decode events (ru_maxrss of its own children): the sum bounds what both held at once.
 _CHILD = """
-import runpy, sys
+import resource, runpy, sys
 sys.argv = sys.argv[1:]
 try:
     runpy.run_module("scripts.summarize_trace", run_name="__main__", alter_sys=True)
@@ -1075,7 +1077,8 @@ finally:
     try:
         with open("/proc/self/status") as status:
             hwm = [line.split()[1] for line in status if line.startswith("VmHWM:")]
-        sys.stderr.write(f"\\nVmHWM {hwm[0]}\\n")
+        decoder = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+        sys.stderr.write(f"\\nVmHWM {int(hwm[0]) + decoder}\\n")
     except (OSError, IndexError):
         pass
 """

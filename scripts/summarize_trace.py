@@ -26,14 +26,17 @@ Parsing (``parser``): ``"auto"`` (default, standard library) reads text in 1 MiB
 layout and however layouts are mixed in one file (kineto's templates of any year, one event a line, keys sharing
 lines, indented): each chunk is searched once, in C, for the text between two events (``}``, comma, ``{`` and a key),
 for objects opened inside lists (which could be events' args rather than events), and for the literals that an event
-that can matter must hold (``"kernel"``, ``"__sec:``, ``Launch``, or any backslash escape). Events between two such
+that can matter must hold (``"correlation"``, ``"__sec:``, or any backslash escape). Events between two such
 boundaries are counted without being decoded; those holding a literal are decoded from their exact text by the C
 scanner of :mod:`json`; an event whose text is ambiguous (a list of objects inside it, or such text in its strings) is
 decoded by that scanner on its own, and counting goes on after it. No text is searched or decoded more than a
 constant number of times (:class:`_ArrayReader`; ``work`` counts it). ``"json"`` decodes every event. ``"orjson"``
 (optional: ``pip install orjson``) skims the same way but decodes the picked events with orjson, about 3x faster than
 the json scanner, to the same values. ``"ijson"`` uses ``ijson.items`` where that package is installed. The file is
-read (and inflated) by a read-ahead thread. ``python -m benchmarks.bench_trace`` measures every shape. Skipped events
+read (and inflated) by a read-ahead thread. On a trace of 8 MiB or more with two CPUs free, the picked events are
+decoded by a second process (this file run again, fed through a pipe) while this one reads and skims: the two halves
+of the work overlap, and the summary is the same (``decode_process``). ``python -m benchmarks.bench_trace`` measures
+every shape. Skipped events
 are not validated; truncation is always detected, since the last events and the closing bracket go through the
 checked parser.
 
@@ -52,9 +55,14 @@ import gzip
 import io
 import json
 import logging
+import operator
+import os
+import pickle
 import queue
 import re
 import statistics
+import struct
+import subprocess
 import sys
 import threading
 import zipfile
@@ -64,6 +72,11 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, BinaryIO, NoReturn
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - not Unix
+    fcntl = None  # type: ignore[assignment]
 
 logger = logging.getLogger(__name__)
 
@@ -108,10 +121,12 @@ PARSERS = ("auto", "json", "orjson", "ijson")
 _NAME_SUFFIX = re.compile(r"(?:_v\d+|_ptsz|_ptds|_spt)+$")
 _NON_WS = re.compile(r"[^ \t\n\r]")
 _SEPARATOR = re.compile(r"[ \t\n\r]*,[ \t\n\r]*")
-# Literals in the text of every event that can matter: kernels, sections, launches; and a backslash, so that an event
-# whose strings hold escapes (a marker could be written as \u escapes) is decoded too. Over-matching is harmless:
-# every decoded event is filtered as usual.
-_MARKERS = ('"kernel"', '"__sec:', "Launch", "\\")
+# Literals in the text of every event that can matter: a kernel or a launch is kept only with its args' correlation id,
+# a section by its name; and a backslash, so that an event whose strings hold escapes (a key or a name could be written
+# with \u escapes) is decoded too. Over-matching is harmless (copies and other runtime calls carry a correlation id
+# too): every decoded event is filtered as usual. One literal for kernels and launches, rather than "kernel" and
+# "Launch", is one search of the text less.
+_MARKERS = ('"correlation"', '"__sec:', "\\")
 # Two consecutive objects of one list: '}', a comma, '{' (group 1) and a key starting with a letter (see _ArrayReader).
 _BOUNDARY = re.compile(r'\}[ \t\n\r]*+,[ \t\n\r]*+(\{)[ \t\n\r]*+"[A-Za-z_]')
 # An object opened as a list element: a '{' after a comma or a '[' (whitespace between); after 9 or more whitespace
@@ -129,6 +144,11 @@ _SWITCH_INTERVAL_S = 0.0001  # while reading: how soon the read-ahead thread get
 _GZIP_READ = 1 << 18  # compressed bytes read at a time
 _INFLATE_CHUNK = 1 << 22  # inflated bytes per zlib call: the thread takes the GIL once per chunk
 _MAX_PENDING_CHARS = 1 << 26  # one event larger than this is treated as malformed JSON
+_BATCH_CHARS = 1 << 20  # event text sent to the decoding process at a time
+_BATCHES_AHEAD = 8  # batches waiting for the decoding process (bounded memory)
+#: Traces of at least this many bytes of JSON (uncompressed) are decoded in a second process when two CPUs are free:
+#: below it, starting the process (~0.1 s) costs more than it saves.
+DECODE_PROCESS_MIN_BYTES = 8 << 20
 #: What ``summarize(..., work=dict)`` counts, in bytes of (uncompressed) trace: ``read`` from the file, ``indexed``
 #: (searched for boundaries, taints and markers), ``decoded`` (handed to a decoder); and ``fills``
 #: (buffer refills).
@@ -139,31 +159,57 @@ class TraceError(ValueError):
     """The trace cannot be summarised; the message names the file and says why."""
 
 
-def summarize(path: str | Path, parser: str = "auto", work: dict[str, int] | None = None) -> dict[str, Any]:
+def summarize(
+    path: str | Path, parser: str = "auto", work: dict[str, int] | None = None, decode_process: bool | None = None
+) -> dict[str, Any]:
     """Statistics per ``__sec:`` section of the trace at ``path``.
 
     Returns ``{"sections": {name: {"count", "min_s", "mean_s", "median_s", "max_s"}}, "sources": {name:
     "kernels" | "cpu" | "mixed"}, "trace": str, "events": int, "launches": int, "kernels": int, "parser": str}``
     plus ``"devices"`` (GPU names) when the trace records them. ``sections`` is ordered as :data:`SECTION_ORDER`.
     ``work``, a dict, receives what reading cost (:data:`WORK_KEYS`; the json parsers): linear in the file's size
-    whatever its layout. Raises :class:`TraceError` for a missing, empty, truncated or non-trace file, or one
-    without sections.
+    whatever its layout. ``decode_process``: decode the picked events in a second process while this one reads and
+    skims (``None``: for traces of :data:`DECODE_PROCESS_MIN_BYTES` or more, uncompressed, when two CPUs are free;
+    the summary is the same either way). Raises :class:`TraceError` for a missing, empty, truncated or non-trace
+    file, or one without sections.
     """
     path = Path(path)
     if parser not in PARSERS:
         raise TraceError(f"{path}: unknown parser {parser!r}; use one of {', '.join(PARSERS)}")
+    skim = parser in ("auto", "orjson")
+    fast = _accelerator(path) if parser == "orjson" else None
+    if decode_process is None:
+        decode_process = skim and _free_cpus() >= 2 and _text_size(path) >= DECODE_PROCESS_MIN_BYTES
+    if decode_process and skim:
+        try:
+            return _summarize(path, parser, work, fast, _DecodeProcess.start(path, fast is not None))
+        except _DecodeProcessFailed as exc:
+            logger.warning("%s; decoding in this process instead", exc)
+    return _summarize(path, parser, work, fast, None)
+
+
+def _summarize(
+    path: Path, parser: str, work: dict[str, int] | None, fast: Any, process: _DecodeProcess | None
+) -> dict[str, Any]:
+    """:func:`summarize` with the events decoded here (``process`` None) or by ``process``."""
     collected = _Collected()
     state = _ReadState(collected, skim=parser in ("auto", "orjson"), work=work)
-    if parser == "orjson":
-        state.fast = _accelerator(path)
+    state.fast = fast
     try:
         if parser == "ijson":
             for event in _iter_events_ijson(path):
                 state.add(event)
                 state.decoded += 1
         else:
-            with _open_text(path) as stream:
-                _read_events_json(stream, path, state)
+            with contextlib.ExitStack() as stack:
+                if process is not None:
+                    stack.enter_context(process)
+                    state.decoder = process
+                    state.add = process.add
+                with _open_text(path) as stream:
+                    _read_events_json(stream, path, state)
+                if process is not None:
+                    collected = process.finish()
             parser = ("orjson" if state.fast else "json") + ("-skim" if state.skimmed else "")
         collected.events = state.decoded + state.skipped
     except (OSError, EOFError, zlib.error, zipfile.BadZipFile) as exc:
@@ -205,16 +251,20 @@ def format_table(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(trace: str, format: str = "text", parser: str = "auto") -> None:
+def main(trace: str, format: str = "text", parser: str = "auto", decode_process: bool | None = None) -> None:
     """Print the per-section statistics of TRACE (.json, .json.gz or .zip) as a table (``text``) or ``json``.
 
     ``--parser``: ``auto`` (standard library, the default), ``orjson`` (the same skim, events decoded by the optional
-    orjson package: faster), ``json`` (every event decoded) or ``ijson``."""
+    orjson package: faster), ``json`` (every event decoded) or ``ijson``. ``--decode_process``: decode the picked
+    events in a second process (default: for traces of 8 MiB or more, uncompressed, when two CPUs are free;
+    ``false`` keeps it to one process)."""
     trace = str(trace)
     if format not in ("text", "json"):
         _fail(f"--format must be 'text' or 'json', not {format!r}")
+    if decode_process is not None and not isinstance(decode_process, bool):
+        _fail(f"--decode_process must be true or false, not {decode_process!r}")
     try:
-        summary = summarize(trace, parser=parser)
+        summary = summarize(trace, parser=parser, decode_process=decode_process)
     except TraceError as exc:
         _fail(str(exc))
     print(json.dumps(summary, indent=2) if format == "json" else format_table(summary))
@@ -446,6 +496,7 @@ class _ReadState:
         self.add = _adder(collected)  # takes one decoded event
         self.skim = skim  # allowed to skip events that cannot matter
         self.fast: Any = None  # the accelerator's decoder of one event's text, if any
+        self.decoder: Any = _LocalDecoder(self)  # decodes the texts of the picked events (or a _DecodeProcess)
         self.skimmed = False  # it did
         self.decoded = self.skipped = 0
         self.meta: dict[str, Any] = {}
@@ -520,7 +571,6 @@ class _ArrayReader:
 
     def __init__(self, sc: _Scanner, state: _ReadState) -> None:
         self.sc, self.state = sc, state
-        self.fast = state.fast  # optional accelerator: the text of one event -> the event (ValueError if not one)
         self.indexed = -1  # the scanner's generation the index below describes
         self.opens: list[int] = []  # the '{' of every boundary after the indexed position: where an event starts
         self.taints: list[int] = []  # where a list element opens other than at a boundary
@@ -550,7 +600,7 @@ class _ArrayReader:
         """Decode ``count`` elements (all when negative) from ``sc.pos``, the start of one; True when the list
         ends."""
         sc, scan, separator, state = self.sc, self.sc.scan, _SEPARATOR.match, self.state
-        add, work = state.add, state.work
+        element, work = state.decoder.element, state.work
         while count:
             count -= 1
             buf, pos = sc.buf, sc.pos
@@ -561,11 +611,11 @@ class _ArrayReader:
                 comma, end = None, len(buf)  # how far the scanner got is not known: at most to the end
             work["decoded"] += end - pos
             if comma is not None and comma.end() < len(buf):
-                add(obj if buf.isascii() else scan(_utf8(buf[pos:end]), 0)[0])
+                element(sc, buf, pos, end, obj)
                 state.decoded += 1
                 sc.pos = comma.end()
                 continue
-            add(sc.value())  # at the end of the buffer, the last element, or an error: refills and reports
+            state.add(sc.value())  # at the end of the buffer, the last element, or an error: refills and reports
             state.decoded += 1
             if sc.expect(",]", "in the traceEvents list") == "]":
                 return True
@@ -587,28 +637,13 @@ class _ArrayReader:
             return False
         m = bisect.bisect_left(marked, k, self.m)
         m_stop = self.m = bisect.bisect_left(marked, stop, m)
-        rfind, fast, scan, add, size = buf.rfind, self.fast, sc.scan, self.state.add, 0
-        ascii_text = buf.isascii()  # O(1): a str knows
-        for s in marked[m:m_stop]:
-            start = pos if s == k else opens[s - 1]
-            stop_at = rfind("}", start, opens[s]) + 1
-            size += stop_at - start
-            if fast is not None:
-                text = buf[start:stop_at]
-                try:  # orjson reads UTF-8 bytes itself
-                    add(fast(text if text.isascii() else text.encode("latin-1")))
-                    continue
-                except ValueError:  # refused (an integer beyond 64 bits, invalid UTF-8): the scanner decides
-                    pass
-            elif ascii_text:  # the json scanner, in place
-                try:
-                    event, end = scan(buf, start)
-                except (StopIteration, json.JSONDecodeError):
-                    end = -1
-                if end == stop_at:
-                    add(event)
-                    continue
-            self._decode_event(buf[start:stop_at], start)  # decoded as UTF-8, or the error reported
+        picked = marked[m:m_stop]
+        starts, ends = [opens[s - 1] for s in picked], [opens[s] for s in picked]
+        if picked and picked[0] == k:
+            starts[0] = pos
+        size = sum(map(operator.sub, ends, starts))
+        if picked:
+            self.state.decoder.spans(sc, buf, starts, ends)
         self.state.work["decoded"] += size
         n = m_stop - m
         self.state.decoded += n
@@ -644,19 +679,287 @@ class _ArrayReader:
                 at = find(literal, opens[s], last)  # the rest of that event needs no search
         self.marked = sorted(marked)
 
-    def _decode_event(self, text: str, start: int) -> None:
-        """Decode ``text``, exactly one event (found at ``start`` in the buffer), with the json scanner and hand it
-        to the collector."""
-        sc, text = self.sc, _utf8(text)
+
+class _LocalDecoder:
+    """Decodes the picked events in this process, in place where it can."""
+
+    def __init__(self, state: _ReadState) -> None:
+        self.state = state
+
+    def spans(self, sc: _Scanner, buf: str, starts: list[int], ends: list[int]) -> None:
+        """Decode the event at each ``start`` of ``buf``, which ends at the last ``}`` before its ``end`` (the next
+        boundary), exactly one event each, and hand the events to the collector (orjson when given, else the json
+        scanner in place; a text either refuses goes to :func:`_decode_exact`, which decodes it as UTF-8 or names
+        the error)."""
+        fast, scan, add, rfind = self.state.fast, sc.scan, self.state.add, buf.rfind
+        ascii_text = buf.isascii()  # O(1): a str knows
+        for start, end in zip(starts, ends, strict=True):
+            stop = rfind("}", start, end) + 1
+            if fast is not None:
+                text = buf[start:stop]
+                try:  # orjson reads UTF-8 bytes itself
+                    add(fast(text if text.isascii() else text.encode("latin-1")))
+                    continue
+                except ValueError:  # refused (an integer beyond 64 bits, invalid UTF-8): the scanner decides
+                    pass
+            elif ascii_text:  # the json scanner, in place
+                try:
+                    event, at = scan(buf, start)
+                except (StopIteration, json.JSONDecodeError):
+                    at = -1
+                if at == stop:
+                    add(event)
+                    continue
+            add(_decode_exact(_utf8(buf[start:stop]), scan, sc.path, sc.base + start))
+
+    def element(self, sc: _Scanner, buf: str, start: int, end: int, event: Any) -> None:
+        """Hand over ``event``, which the scanner decoded from ``buf[start:end]`` (again as UTF-8 where the text is
+        not ASCII)."""
+        self.state.add(event if buf.isascii() else sc.scan(_utf8(buf[start:end]), 0)[0])
+
+
+class _DecodeProcessFailed(RuntimeError):
+    """The decoding process could not start, or died: the trace is read again without it."""
+
+
+# Messages to the decoding process: a header (kind, n, size) and ``size`` bytes.
+_HEADER = struct.Struct("<qqq")
+_TEXT, _SPANS, _JSON = 0, 1, 2  # the reader's buffer (n: its offset in the trace); n (start, end) pairs; one event
+
+
+class _DecodeProcess:
+    """Decodes the picked events in a second process while this one reads, searches and picks.
+
+    On two cores, reading and searching the text (C) and picking events is about half the work and decoding the
+    picked events (building their dicts, keeping what matters) the other half; in one process they add up. This
+    process sends each buffer it reads once (Latin-1 bytes: the file's bytes) and then the (start, next boundary)
+    offsets of the events it picks in it, through the child's stdin, written by a thread (at most
+    :data:`_BATCHES_AHEAD` messages wait); an event decoded here without its text (the last of a buffer) is sent as
+    JSON. The child runs this same file (:func:`_decode_worker`) and decodes exactly as :class:`_LocalDecoder` does,
+    in the order sent, so the summary is the in-process one; it sends back the collected arrays, or the first
+    malformed event's error (with its byte), at which it stops at once.
+    """
+
+    def __init__(self, path: Path, proc: subprocess.Popen) -> None:
+        self.path, self.proc = path, proc
+        self.generation = -1  # the reader's buffer the child holds
+        self.batches: queue.Queue[tuple[bytes, ...] | None] = queue.Queue(_BATCHES_AHEAD)
+        self.broken: BaseException | None = None  # the writer's error: the child ended early
+        self.result: dict[str, Any] | None = None
+        self.writer = threading.Thread(target=self._write, daemon=True)
+        self.writer.start()
+
+    @classmethod
+    def start(cls, path: Path, fast: bool) -> _DecodeProcess:
+        """Start the child (this file, run by this interpreter); :class:`_DecodeProcessFailed` if it cannot."""
+        code = (
+            "import importlib.util, sys; "
+            "spec = importlib.util.spec_from_file_location('_summarize_trace_worker', sys.argv[1]); "
+            "module = importlib.util.module_from_spec(spec); spec.loader.exec_module(module); "
+            "module._decode_worker(sys.argv[2], sys.argv[3] == 'orjson')"
+        )
+        args = [sys.executable, "-c", code, str(Path(__file__).resolve()), str(path), "orjson" if fast else "json"]
         try:
-            event, end = sc.scan(text, 0)
-        except StopIteration as exc:
-            raise sc.error("malformed", f"Expecting value at byte {sc.base + start + exc.value}") from exc
-        except json.JSONDecodeError as exc:
-            raise sc.error("malformed", f"{exc.msg} at byte {sc.base + start + exc.pos}") from exc
-        if end != len(text):
-            raise sc.error("malformed", f"an event ends at byte {sc.base + start + end}, before its boundary")
-        self.state.add(event)
+            proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0)
+        except OSError as exc:
+            raise _DecodeProcessFailed(f"{path}: cannot start the decoding process ({exc})") from exc
+        with contextlib.suppress(AttributeError, OSError):  # Linux: a 1 MiB pipe, 16x fewer switches to the child
+            fcntl.fcntl(proc.stdin.fileno(), fcntl.F_SETPIPE_SZ, _BATCH_CHARS)
+        return cls(path, proc)
+
+    def add(self, event: Any) -> None:
+        """An event decoded here without its text (rare: the last events of a buffer), sent as JSON."""
+        self._send(_JSON, 0, json.dumps(event).encode("ascii"))
+
+    def element(self, sc: _Scanner, buf: str, start: int, end: int, event: Any) -> None:
+        """An event the scanner decoded here from ``buf[start:end]``: the span is sent (decoded there again)."""
+        self.spans(sc, buf, [start], [end])
+
+    def spans(self, sc: _Scanner, buf: str, starts: list[int], ends: list[int]) -> None:
+        """Send the picked events' offsets (and first the buffer, once per refill)."""
+        if sc.generation != self.generation:
+            self.generation = sc.generation
+            self._send(_TEXT, sc.base, buf.encode("latin-1"))
+        self._send(_SPANS, len(starts), array("q", starts).tobytes(), array("q", ends).tobytes())
+
+    def _send(self, kind: int, n: int, *parts: bytes) -> None:
+        """Queue one message for the writer thread."""
+        batch = (_HEADER.pack(kind, n, sum(map(len, parts))), *parts)
+        while self.writer.is_alive():
+            try:
+                self.batches.put(batch, timeout=0.05)
+                return
+            except queue.Full:
+                continue
+        self._collect()  # the child stopped reading: raise its error, or say it died
+        raise _DecodeProcessFailed(f"{self.path}: the decoding process stopped reading ({self.broken})")
+
+    def _write(self) -> None:
+        """Writer thread: send the messages to the child's stdin, then close it (the end of the input)."""
+        stdin = self.proc.stdin
+        try:
+            for batch in iter(self.batches.get, None):
+                for part in batch:
+                    stdin.write(part)
+        except OSError as exc:  # the child ended early (an error it reports) or died
+            self.broken = exc
+        finally:
+            with contextlib.suppress(OSError):
+                stdin.close()
+
+    def _end_input(self) -> None:
+        """Let the writer finish (it closes the child's input) and wait for it."""
+        while self.writer.is_alive():
+            try:
+                self.batches.put(None, timeout=0.05)
+                break
+            except queue.Full:
+                continue
+        self.writer.join()
+
+    def finish(self) -> _Collected:
+        """Wait for the child and return what it collected (raises its error)."""
+        return self._collect()
+
+    def _collect(self) -> _Collected:
+        """End the input, read the child's result and return its collected events; raise its TraceError, or
+        :class:`_DecodeProcessFailed` if it died."""
+        if self.result is None:
+            self._end_input()
+            data = self.proc.stdout.read()
+            code = self.proc.wait()
+            try:
+                self.result = pickle.loads(data)
+            except Exception as exc:
+                raise _DecodeProcessFailed(
+                    f"{self.path}: the decoding process ended without a result (exit status {code})"
+                ) from exc
+        result = self.result
+        if result["error"]:
+            raise TraceError(result["error"])
+        return _collected_from(result)
+
+    def __enter__(self) -> _DecodeProcess:
+        return self
+
+    def __exit__(self, kind: Any, exc: Any, tb: Any) -> None:
+        """On an error here, the child's own error comes first (it is earlier in the file); always end the child."""
+        try:
+            if isinstance(exc, TraceError):
+                self._collect()  # raises the child's error when it had one
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+            self._end_input()
+            self.proc.stdout.close()
+
+
+def _decode_worker(path: str, fast: bool) -> None:
+    """The decoding process (:class:`_DecodeProcess`): read the messages from stdin, decode every picked event in
+    order, write the collected arrays (pickled) to stdout at the end, or the first malformed event's error."""
+    collected = _Collected()
+    add, scan, error = _adder(collected), json.JSONDecoder().scan_once, None
+    loads = _accelerator(Path(path)) if fast else None
+    stdin, size_of = sys.stdin.buffer, _HEADER.size
+    data, view, text, base, ascii_text = b"", memoryview(b""), "", 0, True
+    while error is None:
+        head = stdin.read(size_of)
+        if len(head) < size_of:
+            break
+        kind, n, size = _HEADER.unpack(head)
+        message = stdin.read(size)
+        if kind == _TEXT:  # orjson reads the bytes; the json scanner and error messages need the text
+            data, view, base = message, memoryview(message), n
+            text = "" if loads is not None else data.decode("latin-1")
+            ascii_text = text.isascii()
+            continue
+        if kind == _JSON:
+            add(json.loads(message))
+            continue
+        starts, ends = array("q"), array("q")
+        starts.frombytes(message[: 8 * n])
+        ends.frombytes(message[8 * n :])
+        rfind = data.rfind
+        try:
+            for start, end in zip(starts, ends, strict=True):
+                stop = rfind(b"}", start, end) + 1
+                if loads is not None:
+                    try:
+                        add(loads(view[start:stop]))
+                        continue
+                    except ValueError:
+                        pass
+                elif ascii_text:
+                    try:
+                        event, at = scan(text, start)
+                    except (StopIteration, json.JSONDecodeError):
+                        at = -1
+                    if at == stop:
+                        add(event)
+                        continue
+                add(_decode_exact(data[start:stop].decode("utf-8", "replace"), scan, path, base + start))
+        except TraceError as exc:
+            error = str(exc)
+    result = {
+        "error": error,
+        "ranges": collected.ranges,
+        "threads": list(collected.threads.items()),
+        **{name: getattr(collected, name).tobytes() for name in _Collected.ARRAYS},
+    }
+    sys.stdout.buffer.write(pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL))
+    sys.stdout.buffer.flush()
+
+
+def _collected_from(result: dict[str, Any]) -> _Collected:
+    """The :class:`_Collected` a decoding process sent back."""
+    collected = _Collected()
+    collected.ranges = result["ranges"]
+    collected.threads = dict(result["threads"])
+    for name in _Collected.ARRAYS:
+        getattr(collected, name).frombytes(result[name])
+    return collected
+
+
+def _free_cpus() -> int:
+    """CPUs this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+def _text_size(path: Path) -> int:
+    """About how many bytes of JSON ``path`` holds: its size, or for gzip the size its trailer records (modulo 4 GiB,
+    hence at least the compressed size), for a zip its member's; 0 when it cannot be read (the reader then says
+    why)."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as raw:
+            magic = raw.read(4)
+            if magic[:2] == b"\x1f\x8b" and size >= 18:
+                raw.seek(-4, io.SEEK_END)
+                return max(size, struct.unpack("<I", raw.read(4))[0])
+        if magic in (b"PK\x03\x04", b"PK\x05\x06"):
+            with zipfile.ZipFile(path) as archive:
+                return max([size] + [info.file_size for info in archive.infolist()])
+        return size
+    except (OSError, zipfile.BadZipFile, struct.error):
+        return 0
+
+
+def _decode_exact(text: str, scan: Any, path: Path | str, at: int) -> Any:
+    """The one event ``text`` holds (found at byte ``at`` of the trace), decoded by the json scanner; a
+    :class:`TraceError` naming the file and the byte when it is not exactly one JSON value."""
+    try:
+        event, end = scan(text, 0)
+    except StopIteration as exc:
+        raise TraceError(f"{path}: malformed JSON (Expecting value at byte {at + exc.value})") from exc
+    except json.JSONDecodeError as exc:
+        raise TraceError(f"{path}: malformed JSON ({exc.msg} at byte {at + exc.pos})") from exc
+    if end != len(text):
+        raise TraceError(f"{path}: malformed JSON (an event ends at byte {at + end}, before its boundary)")
+    return event
 
 
 def _utf8(text: str) -> str:
@@ -710,6 +1013,8 @@ class _Collected:
         self.threads: dict[tuple[Any, Any], int] = {}
         self.launch_thread, self.launch_ts, self.launch_corr = array("i"), array("d"), array("q")
         self.kernel_corr, self.kernel_start, self.kernel_end = array("q"), array("d"), array("d")
+
+    ARRAYS = ("launch_thread", "launch_ts", "launch_corr", "kernel_corr", "kernel_start", "kernel_end")
 
 
 def _is_launch_name(name: str, cache: dict[str, bool]) -> bool:
@@ -902,8 +1207,10 @@ def _cli() -> None:
         cli.add_argument("trace")
         cli.add_argument("--format", default="text", choices=("text", "json"))
         cli.add_argument("--parser", default="auto", choices=PARSERS)
+        cli.add_argument("--decode_process", default=None, choices=("true", "false"))
         args = cli.parse_args()
-        main(args.trace, format=args.format, parser=args.parser)
+        process = None if args.decode_process is None else args.decode_process == "true"
+        main(args.trace, format=args.format, parser=args.parser, decode_process=process)
     else:
         fire.Fire(main)
 

@@ -7,6 +7,7 @@ import itertools
 import json
 import os
 import random
+import re
 import statistics
 import subprocess
 import sys
@@ -584,6 +585,132 @@ def test_markers_written_with_unicode_escapes_are_found(tmp_path):
     check(summary["sections"], EXPECTED_CPU)
 
 
+# ------------------------------------------------------------------------- decoding in a second process
+def odd_trace():
+    """make_trace() with every oddity three times, raw UTF-8 and an escaped marker: text for every decoder path."""
+    trace = make_trace()
+    events = trace["traceEvents"]
+    for oddity in ODDITIES.values():
+        for at in (len(events) - 1, len(events) // 2, 1):
+            events.insert(at, oddity)
+    events.insert(5, section("validación_検証", 10, 2500))
+    return trace
+
+
+@pytest.mark.parametrize("parser", ["auto", "orjson"])
+def test_a_second_process_decodes_to_the_same_summary_as_one(tmp_path, monkeypatch, parser):
+    """Every layout mix, taint, escape, non-ASCII and non-UTF-8 byte, buffer edge and event larger than a chunk
+    gives the same summary (events counted, values, order) when the picked events are decoded by a second process
+    as when they are decoded in this one; and the reading work counted is the same."""
+    needs(parser)
+    adversarial, _ = adversarial_trace(12, seed=5)
+    odd = kineto_text(odd_trace()).replace('"__sec:step"', '"__sec:st\xffep"')
+    huge = make_trace()
+    huge["traceEvents"].insert(9, {**cpu_op("aten::mm", 1, 1), "args": {"Concrete Inputs": ["{[x]} " * 4000]}})
+    paths = {
+        "adversarial": tmp_path / "adversarial.json",
+        "odd": tmp_path / "odd.json.gz",
+        "huge": write(tmp_path / "huge.json", huge, "lines"),
+    }
+    paths["adversarial"].write_text(adversarial, encoding="utf-8")
+    paths["odd"].write_bytes(gzip.compress(odd.encode("latin-1")))
+    children = _Children(monkeypatch)
+    for chunk in (1 << 12, 1 << 20):
+        monkeypatch.setattr(st, "_CHUNK_CHARS", chunk)
+        for name, path in paths.items():
+            work_one, work_two = {}, {}
+            one = st.summarize(path, parser=parser, work=work_one, decode_process=False)
+            two = st.summarize(path, parser=parser, work=work_two, decode_process=True)
+            assert two == one, (name, chunk)
+            assert work_two == work_one, (name, chunk)
+            if name == "odd":  # the non-UTF-8 byte replaced, the raw UTF-8 name read, the oddities counted
+                assert two["sections"]["st\ufffdep"]["count"] == 4
+                assert two["sections"]["validación_検証"]["count"] == 1
+                assert two["events"] == len(odd_trace()["traceEvents"])
+    assert len(children.procs) == 6 and all(proc.returncode == 0 for proc in children.procs)
+
+
+def test_a_malformed_event_is_named_by_its_byte_when_a_second_process_decodes_it(tmp_path):
+    text = kineto_text(make_trace())
+    text, n = re.subn(r'"correlation": 2\b', '"correlation": 02', text, count=1)  # a leading zero: not JSON
+    assert n == 1
+    path = tmp_path / "trace.json"
+    path.write_text(text)
+    for parser in ("auto", "orjson") if has("orjson") else ("auto",):
+        with pytest.raises(st.TraceError) as one:
+            st.summarize(path, parser=parser, decode_process=False)
+        with pytest.raises(st.TraceError) as two:
+            st.summarize(path, parser=parser, decode_process=True)
+        assert str(two.value) == str(one.value), parser
+        assert "trace.json: malformed JSON" in str(two.value) and " at byte " in str(two.value)
+
+
+class _Children:
+    """Records the decoding processes started (and lets a test replace the command)."""
+
+    def __init__(self, monkeypatch, command=None):
+        self.procs = []
+        real = subprocess.Popen
+
+        def popen(args, **kwargs):
+            proc = real(command or args, **kwargs)
+            self.procs.append(proc)
+            return proc
+
+        monkeypatch.setattr(st.subprocess, "Popen", popen)
+
+
+@pytest.mark.parametrize("fraction", [0.37, 0.9999])
+def test_a_cut_trace_is_truncated_with_a_second_process_and_the_process_is_ended(tmp_path, monkeypatch, fraction):
+    text, _ = adversarial_trace(8, seed=3)
+    path = tmp_path / "cut.json"
+    path.write_text(text[: int(len(text) * fraction)], encoding="utf-8")
+    children = _Children(monkeypatch)
+    threads = threading.active_count()
+    with pytest.raises(st.TraceError, match=r"cut\.json: truncated JSON"):
+        st.summarize(path, decode_process=True)
+    assert len(children.procs) == 1 and children.procs[0].poll() is not None  # ended and reaped
+    assert threading.active_count() == threads
+
+
+@pytest.mark.parametrize("how", ["exits-at-once", "no-result"])
+def test_a_decoding_process_that_dies_is_replaced_by_decoding_here(tmp_path, monkeypatch, caplog, how):
+    """A child that cannot read (it exits at once) or ends without a result: the trace is read again in this
+    process, with a warning, and the summary is right."""
+    path = write(tmp_path / "trace.json", make_trace())
+    code = "pass" if how == "exits-at-once" else "import sys; sys.stdin.buffer.read()"
+    children = _Children(monkeypatch, command=[sys.executable, "-c", code])
+    with caplog.at_level("WARNING", logger=st.logger.name):
+        summary = st.summarize(path, decode_process=True)
+    check(summary["sections"], EXPECTED_KERNELS)
+    check(summary["sections"], EXPECTED_CPU)
+    assert len(children.procs) == 1 and children.procs[0].poll() is not None
+    assert "decoding in this process instead" in caplog.text and "trace.json" in caplog.text
+
+
+def test_the_second_process_is_used_for_large_files_when_two_cpus_are_free(tmp_path, monkeypatch):
+    path = write(tmp_path / "trace.json", make_trace())
+    children = _Children(monkeypatch)
+    monkeypatch.setattr(st, "_free_cpus", lambda: 2)
+    st.summarize(path)  # far below DECODE_PROCESS_MIN_BYTES
+    st.summarize(path, parser="json")  # decodes every event: nothing to share
+    assert children.procs == []
+    monkeypatch.setattr(st, "DECODE_PROCESS_MIN_BYTES", 1)
+    check(st.summarize(path)["sections"], EXPECTED_KERNELS)
+    assert len(children.procs) == 1
+    monkeypatch.setattr(st, "_free_cpus", lambda: 1)
+    st.summarize(path)
+    assert len(children.procs) == 1
+    # a gzipped trace is judged by the JSON it holds (its trailer), not by its size on disk
+    monkeypatch.setattr(st, "_free_cpus", lambda: 2)
+    packed = tmp_path / "trace.json.gz"
+    packed.write_bytes(gzip.compress(path.read_bytes()))
+    monkeypatch.setattr(st, "DECODE_PROCESS_MIN_BYTES", path.stat().st_size)
+    assert packed.stat().st_size < path.stat().st_size
+    check(st.summarize(packed)["sections"], EXPECTED_KERNELS)
+    assert len(children.procs) == 2
+
+
 @pytest.mark.parametrize("fraction", [0.01, 0.37, 0.5, 0.81, 0.9999])
 def test_a_cut_trace_of_mixed_layouts_is_reported_as_truncated(tmp_path, fraction):
     text, _ = adversarial_trace(8, seed=3)
@@ -789,13 +916,14 @@ def test_module_is_standalone_no_torch_no_bundle_imports(tmp_path):
 
 
 def test_copied_file_runs_alone_without_fire_or_ijson(tmp_path):
+    """The copy runs alone, its decoding process too (it loads the copy by its path)."""
     copy = tmp_path / "summarize_trace.py"
     copy.write_bytes(MODULE.read_bytes())
     trace = write(tmp_path / "trace.json", make_trace())
     code = (
         "import runpy, sys\n"
         "sys.modules['fire'] = None; sys.modules['ijson'] = None\n"  # as if neither were installed
-        f"sys.argv = ['summarize_trace.py', {str(trace)!r}, '--format', 'json']\n"
+        f"sys.argv = ['summarize_trace.py', {str(trace)!r}, '--format', 'json', '--decode_process', 'true']\n"
         f"runpy.run_path({str(copy)!r}, run_name='__main__')\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
