@@ -743,9 +743,13 @@ class _DecodeProcess:
     def __init__(self, path: Path, proc: subprocess.Popen) -> None:
         self.path, self.proc = path, proc
         self.generation = -1  # the reader's buffer the child holds
+        self.starts: list[int] = []  # offsets in that buffer of the events picked since it was sent
+        self.ends: list[int] = []
         self.batches: queue.Queue[tuple[bytes, ...] | None] = queue.Queue(_BATCHES_AHEAD)
         self.broken: BaseException | None = None  # the writer's error: the child ended early
         self.result: dict[str, Any] | None = None
+        self.probe = _Collected()  # scratch: what the collector would keep of an event decoded here
+        self.probe_add = _adder(self.probe)
         self.writer = threading.Thread(target=self._write, daemon=True)
         self.writer.start()
 
@@ -767,20 +771,42 @@ class _DecodeProcess:
             fcntl.fcntl(proc.stdin.fileno(), fcntl.F_SETPIPE_SZ, _BATCH_CHARS)
         return cls(path, proc)
 
+    def _matters(self, event: Any) -> bool:
+        """Whether the collector keeps anything of ``event`` (tried on a scratch collector, emptied again)."""
+        self.probe_add(event)
+        probe = self.probe
+        if not (probe.ranges or probe.launch_ts or probe.kernel_corr):
+            return False
+        self.probe = _Collected()
+        self.probe_add = _adder(self.probe)
+        return True
+
     def add(self, event: Any) -> None:
-        """An event decoded here without its text (rare: the last events of a buffer), sent as JSON."""
-        self._send(_JSON, 0, json.dumps(event).encode("ascii"))
+        """An event decoded here without its text (the last events of a buffer): sent as JSON if it matters."""
+        if self._matters(event):
+            self._flush()
+            self._send(_JSON, 0, json.dumps(event).encode("ascii"))
 
     def element(self, sc: _Scanner, buf: str, start: int, end: int, event: Any) -> None:
-        """An event the scanner decoded here from ``buf[start:end]``: the span is sent (decoded there again)."""
-        self.spans(sc, buf, [start], [end])
+        """An event the scanner decoded here from ``buf[start:end]`` (one with a list of objects inside, or the
+        last of a buffer): its span is sent, to be decoded there again, only if it matters (most do not)."""
+        if self._matters(event):
+            self.spans(sc, buf, [start], [end])
 
     def spans(self, sc: _Scanner, buf: str, starts: list[int], ends: list[int]) -> None:
-        """Send the picked events' offsets (and first the buffer, once per refill)."""
+        """Queue the picked events' offsets; they are sent once per buffer, after the buffer itself."""
         if sc.generation != self.generation:
+            self._flush()
             self.generation = sc.generation
             self._send(_TEXT, sc.base, buf.encode("latin-1"))
-        self._send(_SPANS, len(starts), array("q", starts).tobytes(), array("q", ends).tobytes())
+        self.starts += starts
+        self.ends += ends
+
+    def _flush(self) -> None:
+        """Send the offsets queued for the buffer the child holds."""
+        if self.starts:
+            self._send(_SPANS, len(self.starts), array("q", self.starts).tobytes(), array("q", self.ends).tobytes())
+            self.starts, self.ends = [], []
 
     def _send(self, kind: int, n: int, *parts: bytes) -> None:
         """Queue one message for the writer thread."""
@@ -818,7 +844,8 @@ class _DecodeProcess:
         self.writer.join()
 
     def finish(self) -> _Collected:
-        """Wait for the child and return what it collected (raises its error)."""
+        """Send what is queued, wait for the child and return what it collected (raises its error)."""
+        self._flush()
         return self._collect()
 
     def _collect(self) -> _Collected:
@@ -846,6 +873,7 @@ class _DecodeProcess:
         """On an error here, the child's own error comes first (it is earlier in the file); always end the child."""
         try:
             if isinstance(exc, TraceError):
+                self._flush()
                 self._collect()  # raises the child's error when it had one
         finally:
             if self.proc.poll() is None:
