@@ -261,6 +261,8 @@ def main(trace: str, format: str = "text", parser: str = "auto", decode_process:
     trace = str(trace)
     if format not in ("text", "json"):
         _fail(f"--format must be 'text' or 'json', not {format!r}")
+    if isinstance(decode_process, str) and decode_process.lower() in ("true", "false"):
+        decode_process = decode_process.lower() == "true"  # fire reads True/False as bools, true/false as strings
     if decode_process is not None and not isinstance(decode_process, bool):
         _fail(f"--decode_process must be true or false, not {decode_process!r}")
     try:
@@ -1237,8 +1239,7 @@ def _cli() -> None:
         cli.add_argument("--parser", default="auto", choices=PARSERS)
         cli.add_argument("--decode_process", default=None, choices=("true", "false"))
         args = cli.parse_args()
-        process = None if args.decode_process is None else args.decode_process == "true"
-        main(args.trace, format=args.format, parser=args.parser, decode_process=process)
+        main(args.trace, format=args.format, parser=args.parser, decode_process=args.decode_process)
     else:
         fire.Fire(main)
 

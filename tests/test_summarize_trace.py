@@ -857,6 +857,15 @@ def test_gzip_members_and_padding_inflate_whole_at_any_chunk_boundary(tmp_path, 
         st.summarize(cut)
 
 
+@pytest.mark.parametrize("value", ["true", "false", "True", "False"])
+def test_decode_process_is_read_from_the_command_line_whatever_its_case(tmp_path, value):
+    result = run_cli(write(tmp_path / "trace.json", make_trace()), "--format", "json", "--decode_process", value)
+    assert result.returncode == 0, result.stderr
+    check(json.loads(result.stdout)["sections"], EXPECTED_KERNELS)
+    refused = run_cli(tmp_path / "trace.json", "--decode_process", "sometimes")
+    assert refused.returncode == 2 and "--decode_process must be true or false" in refused.stderr
+
+
 def test_json_format_has_the_documented_shape(tmp_path):
     result = run_cli(write(tmp_path / "trace.json", make_trace()), "--format", "json")
     assert result.returncode == 0, result.stderr
