@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "2")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 SMALL_SHAPE = (64, 64, 24)
+# tiny_data's cases: a run of demo.yaml on them must say so (--demo_cases, --demo_shape), or its acquire_data step
+# writes the demo's 10 cases into the shared folder, and every later test on that worker trains on other data
+TINY_CASES, TINY_SHAPE = 4, (48, 48, 24)
 
 
 def configs(*names: str) -> str:
@@ -70,17 +74,26 @@ def bundle_run(*args: str, cwd: Path | None = None, timeout: int = 900) -> subpr
     return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.fixture(scope="session")
-def tiny_data(tmp_path_factory) -> Path:
-    """Four 48x48x24 synthetic cases on the demo's 2 mm grid, prepared once (3 training, 1 validation): the data of
-    every test of mechanics (resume, DDP, profiling, benchmark), one patch and a few seconds per step."""
+def tiny_dataset(tmp: Path, num_cases: int = TINY_CASES) -> Path:
+    """``num_cases`` synthetic cases of ``TINY_SHAPE`` on the demo's 2 mm grid under ``tmp/data``, prepared into
+    ``tmp/prepared`` with the default split; returns ``tmp``."""
     from scripts.prepare import prepare
     from scripts.synthetic import generate
 
-    tmp = tmp_path_factory.mktemp("tiny")
-    generate(tmp / "data", num_cases=4, shape=(48, 48, 24), seed=0, tumour_hu=400, pixel_spacing=2.0)
+    generate(tmp / "data", num_cases=num_cases, shape=TINY_SHAPE, seed=0, tumour_hu=400, pixel_spacing=2.0)
     prepare(tmp / "data", tmp / "prepared", num_workers=1, progress=False)
     return tmp
+
+
+@pytest.fixture(scope="session")
+def tiny_data(tmp_path_factory) -> Iterator[Path]:
+    """Four 48x48x24 synthetic cases on the demo's 2 mm grid, prepared once (3 training, 1 validation): the data of
+    every test of mechanics (resume, profiling, benchmark), one patch and a few seconds per step. Shared: a test
+    that wrote more cases into it would change the data of the tests after it, so the session's end counts them."""
+    tmp = tiny_dataset(tmp_path_factory.mktemp("tiny"))
+    yield tmp
+    written = sorted(p.stem for p in (tmp / "data" / "synthetic_truth").glob("*.json"))
+    assert len(written) == TINY_CASES, f"a test wrote cases into the shared tiny_data folder: {written}"
 
 
 def save_weights(network, path: Path, labels: tuple[str, ...] = ("GTV-1",)) -> Path:
@@ -100,7 +113,7 @@ def demo_args(tmp: Path, shrink: bool = True, config_file: str = DEMO, **overrid
     """The demo config pointed at a temporary folder; ``shrink``: a few small steps (for tests of mechanics)."""
     settings = {"dataset_dir": str(tmp / "data"), "prepared_dir": str(tmp / "prepared"), "output_dir": str(tmp / "run")}
     if shrink:
-        settings.update(demo_cases=4, demo_shape="[48,48,24]", num_samples=1, val_interval=1)
+        settings.update(demo_cases=TINY_CASES, demo_shape=list(TINY_SHAPE), num_samples=1, val_interval=1)
     settings.update(overrides)
     args = ["--config_file", config_file]
     for key, value in settings.items():
@@ -153,14 +166,3 @@ def demo_run(tmp_path_factory, root):
     result = subprocess.CompletedProcess(kept["args"], kept["returncode"], kept["stdout"], kept["stderr"])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return tmp, result, kept["before"]
-
-
-def pytest_collection_modifyitems(config, items) -> None:
-    """The file that trains the demo runs first. The demo is trained once per session (``demo_run``) and four other
-    files wait for it; they sort late, so under ``--dist loadfile`` the first of them used to start the training near
-    the end while the other worker waited on the lock, idle, for the whole training. Started first, the training
-    overlaps the other worker's files and is done when the others need it."""
-    first = [item for item in items if item.path.name == "test_workflow_train.py"]
-    if first:
-        ids = {id(item) for item in first}
-        items[:] = first + [item for item in items if id(item) not in ids]

@@ -16,17 +16,26 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import MECHANICS_NETWORK, ROOT, configs, save_weights, train_workflow
+from conftest import MECHANICS_NETWORK, ROOT, configs, save_weights, tiny_dataset, train_workflow
 
 MULTI = configs("train.yaml", "demo.yaml", "multi_gpu_train.yaml")
 # each rank one thread: two ranks of two threads each would oversubscribe the two cores
 RANK_ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
+# two ranks share every list: 8 cases give 5 training (3 steps an epoch on each rank) and 2 validation cases
+DDP_CASES = 8
+
+
+@pytest.fixture(scope="module")
+def ddp_data(tmp_path_factory) -> Path:
+    return tiny_dataset(tmp_path_factory.mktemp("ddp"), num_cases=DDP_CASES)
+
+
 def bundle_args(demo_tmp: Path, out: Path, **overrides) -> list[str]:
     settings = {"dataset_dir": demo_tmp / "data", "prepared_dir": demo_tmp / "prepared", "output_dir": out,
                 "num_samples": 1, "val_interval": 1, "max_epochs": 1, "dist_timeout_minutes": 10,
-                "network_def": MECHANICS_NETWORK}  # fmt: skip
+                "network_def": MECHANICS_NETWORK, "demo_cases": DDP_CASES}  # fmt: skip
     settings.update(overrides)
     args = ["-m", "monai.bundle", "run", "--config_file", MULTI, "--bundle_root", str(ROOT)]
     for key, value in settings.items():
@@ -49,8 +58,8 @@ def logged_dice(log: str, epoch: int) -> float:
     return float(dict(matches)[str(epoch)])
 
 
-def test_two_ranks_restart_after_a_kill_and_agree(tiny_data, tmp_path):
-    demo_tmp = tiny_data
+def test_two_ranks_restart_after_a_kill_and_agree(ddp_data, tmp_path):
+    demo_tmp = ddp_data
     out = tmp_path / "run"
     rank_file = "'{}/rank' + str(@scripts.distributed.rank()) + '.pt'"
     dump = f"$torch.save(@scripts.weights.unwrap(@network).state_dict(), {rank_file})"
@@ -98,8 +107,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_nodes_on_localhost_with_partitioned_cache(tiny_data, tmp_path):
-    demo_tmp = tiny_data
+def test_two_nodes_on_localhost_with_partitioned_cache(ddp_data, tmp_path):
+    demo_tmp = ddp_data
     port = free_port()
     launcher = ["--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}",
                 "--rdzv_id=pytest"]  # fmt: skip
@@ -125,18 +134,18 @@ def test_two_nodes_on_localhost_with_partitioned_cache(tiny_data, tmp_path):
     assert held["0"] | held["1"] == training
 
 
-def test_evaluation_on_two_ranks_counts_every_case_once(tiny_data, tmp_path):
+def test_evaluation_on_two_ranks_counts_every_case_once(ddp_data, tmp_path):
     """Mechanics only, so random-initialised weights of the demo network (no other test's run is assumed)."""
     from monai.networks.nets import SwinUNETR
 
-    demo_tmp = tiny_data
+    demo_tmp = ddp_data
     weights = save_weights(SwinUNETR(in_channels=1, out_channels=2, feature_size=12), tmp_path / "model.pt")
     config_file = configs("train.yaml", "demo.yaml", "evaluate.yaml", "multi_gpu_evaluate.yaml")
     args = ["-m", "monai.bundle", "run", "evaluate", "--config_file", config_file, "--bundle_root", str(ROOT),
             "--dataset_dir", str(demo_tmp / "data"), "--prepared_dir", str(demo_tmp / "prepared"),
             "--output_dir", str(tmp_path / "run"), "--model_path", str(weights),
             "--eval_dir", str(tmp_path), "--eval_split", "training", "--eval_pictures", "0",
-            "--inference_backend", "torch"]  # fmt: skip
+            "--inference_backend", "torch", "--demo_cases", str(DDP_CASES)]  # fmt: skip
     result = subprocess.run(torchrun("--standalone", "--nproc_per_node=2", *args), cwd=tmp_path, capture_output=True,
                             text=True, timeout=600, env=RANK_ENV)  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
