@@ -13,8 +13,8 @@ than PyTorch's eager mode (docs/performance.md, ``python -m benchmarks.bench_inf
   not those written (a cut copy, a disk error) is refused with a message saying which file to delete.
 * :class:`OnnxNetwork` -- the ONNX Runtime session as a ``torch.nn.Module``, so the sliding window, the ensemble and
   mirror TTA (:mod:`scripts.ensemble`) call it exactly as they call the PyTorch network.
-* :func:`usable_cpus` -- the CPUs this process may use (its affinity mask, and a cgroup CPU quota as containers and
-  SLURM set it): ONNX Runtime's thread count.
+* ONNX Runtime's thread count is :func:`scripts.summarize_trace.usable_cpus`: the CPUs this process may use (its
+  affinity mask, and a cgroup CPU quota as containers set it).
 """
 
 from __future__ import annotations
@@ -23,8 +23,6 @@ import contextlib
 import hashlib
 import json
 import logging
-import math
-import os
 import time
 import warnings
 from collections.abc import Iterator, Sequence
@@ -33,6 +31,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from scripts.summarize_trace import usable_cpus
 
 logger = logging.getLogger(__name__)
 
@@ -220,37 +219,6 @@ class OnnxNetwork(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return f"model_file={self.model_file}, threads={self.threads}"
-
-
-def usable_cpus() -> int:
-    """The CPUs this process may use: its affinity mask (taskset, SLURM's binding), reduced to a cgroup CPU quota
-    where one is set (Docker's --cpus, Kubernetes limits); at least 1."""
-    try:
-        count = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        count = os.cpu_count() or 1
-    quota = _cgroup_cpu_quota()
-    return max(1, min(count, math.ceil(quota)) if quota else count)
-
-
-CGROUP_ROOT = Path("/sys/fs/cgroup")
-
-
-def _cgroup_cpu_quota(root: Path = CGROUP_ROOT) -> float | None:
-    """CPUs allowed by the cgroup's quota (v2 ``cpu.max``, v1 ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``)."""
-    try:
-        text = (root / "cpu.max").read_text().split()
-        if text and text[0] != "max":
-            return int(text[0]) / int(text[1])
-        return None
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        quota = int((root / "cpu" / "cpu.cfs_quota_us").read_text())
-        period = int((root / "cpu" / "cpu.cfs_period_us").read_text())
-        return quota / period if quota > 0 and period > 0 else None
-    except (OSError, ValueError):
-        return None
 
 
 def _exclusive(handle: Any) -> None:

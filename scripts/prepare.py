@@ -48,6 +48,7 @@ from scripts.dicom import LABEL_SOURCES, DicomCaseError, find_annotation, read_c
 from scripts.files import check_case_name, display_name, fingerprint, save_nifti, write_json
 from scripts.geometry import voxel_volume_ml
 from scripts.labels import COLLECTION, check_labels
+from scripts.summarize_trace import usable_cpus
 from tqdm import tqdm
 
 logger = logging.getLogger(__name__)
@@ -157,7 +158,7 @@ def _convert(
     else in two threads of this process."""
     # a worker process costs seconds to start (it imports the launching program -- torch and MONAI under
     # `monai.bundle run`), about as much as converting a few cases: each worker gets CASES_PER_WORKER at least
-    workers = min(num_workers if num_workers is not None else _usable_cpus(), len(todo) // CASES_PER_WORKER)
+    workers = min(num_workers if num_workers is not None else usable_cpus(), len(todo) // CASES_PER_WORKER)
     records = []
     with tqdm(total=len(todo), desc="prepare", unit="case", disable=not progress or not todo) as bar:
         if workers <= 1:
@@ -176,11 +177,6 @@ def _convert(
                 pool.shutdown(cancel_futures=True)
                 raise
     return records
-
-
-def _usable_cpus() -> int:
-    """The CPUs this process may run on (a SLURM job's share, not the whole node)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _log_outcomes(records: list[dict]) -> None:

@@ -35,10 +35,10 @@ constant number of times (:class:`_ArrayReader`; ``work`` counts it). ``"json"``
 the json scanner, to the same values. ``"ijson"`` uses ``ijson.items`` where that package is installed. The file is
 read (and inflated) by a read-ahead thread. On a trace of 8 MiB or more with two CPUs free, the picked events are
 decoded by a second process (this file run again, fed through a pipe) while this one reads and skims: the two halves
-of the work overlap, and the summary is the same (``decode_process``). ``python -m benchmarks.bench_trace`` measures
-every shape. Skipped events
-are not validated; truncation is always detected, since the last events and the closing bracket go through the
-checked parser.
+of the work overlap, and the summary is the same (``decode_process``). Two CPUs free: :func:`usable_cpus`, the
+affinity mask and any cgroup CPU quota (a container limited to one CPU keeps one process).
+``python -m benchmarks.bench_trace`` measures every shape. Skipped events are not validated; truncation is always
+detected, since the last events and the closing bracket go through the checked parser.
 
 Standalone: standard library only (``fire`` is used when installed; ``orjson`` and ``ijson`` when installed and asked
 for), nothing from the bundle, no torch, so it runs on a laptop next to a trace copied from a cluster::
@@ -55,6 +55,7 @@ import gzip
 import io
 import json
 import logging
+import math
 import operator
 import os
 import pickle
@@ -179,7 +180,7 @@ def summarize(
     skim = parser in ("auto", "orjson")
     fast = _accelerator(path) if parser == "orjson" else None
     if decode_process is None:
-        decode_process = skim and _free_cpus() >= 2 and _text_size(path) >= DECODE_PROCESS_MIN_BYTES
+        decode_process = skim and usable_cpus() >= 2 and _text_size(path) >= DECODE_PROCESS_MIN_BYTES
     if decode_process and skim:
         try:
             return _summarize(path, parser, work, fast, _DecodeProcess.start(path, fast is not None))
@@ -951,12 +952,38 @@ def _collected_from(result: dict[str, Any]) -> _Collected:
     return collected
 
 
-def _free_cpus() -> int:
-    """CPUs this process may run on."""
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+def usable_cpus(root: Path = CGROUP_ROOT) -> int:
+    """The CPUs this process may use: its affinity mask (taskset, SLURM's binding), reduced to a cgroup CPU quota
+    where one is set (Docker's --cpus, Kubernetes limits), rounded up; at least 1.
+
+    The bundle's one count of CPUs (ONNX Runtime's threads, prepare's workers, this file's second process): it lives
+    here because this file must run on its own, with the standard library only; the others import it."""
     try:
-        return len(os.sched_getaffinity(0))
+        count = len(os.sched_getaffinity(0))
     except AttributeError:  # pragma: no cover - not Linux
-        return os.cpu_count() or 1
+        count = os.cpu_count() or 1
+    quota = cgroup_cpu_quota(root)
+    return max(1, min(count, math.ceil(quota)) if quota else count)
+
+
+def cgroup_cpu_quota(root: Path = CGROUP_ROOT) -> float | None:
+    """CPUs allowed by the cgroup's quota (v2 ``cpu.max``, v1 ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``)."""
+    try:
+        text = (root / "cpu.max").read_text().split()
+        if text and text[0] != "max":
+            return int(text[0]) / int(text[1])
+        return None
+    except (OSError, ValueError, IndexError, ZeroDivisionError):
+        pass
+    try:
+        quota = int((root / "cpu" / "cpu.cfs_quota_us").read_text())
+        period = int((root / "cpu" / "cpu.cfs_period_us").read_text())
+        return quota / period if quota > 0 and period > 0 else None
+    except (OSError, ValueError):
+        return None
 
 
 def _text_size(path: Path) -> int:

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 from monai.inferers import SlidingWindowInferer
-from scripts.backends import BackendError, OnnxNetwork, _cgroup_cpu_quota, onnx_network, resolve, usable_cpus
+from scripts.backends import BackendError, OnnxNetwork, onnx_network, resolve
 from scripts.ensemble import EnsembleNetwork, Models, ensemble, mirror_flips
 
 WINDOW = (16, 16, 8)
@@ -125,29 +125,13 @@ def test_an_ensemble_with_mirror_tta_in_the_sliding_window_agrees_with_torch(tmp
 
 
 def test_threads_are_the_cpus_this_process_may_use(tmp_path, monkeypatch):
+    """ONNX Runtime's threads: usable_cpus (the affinity mask and a cgroup quota, tested in test_summarize_trace.py)."""
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5}, raising=False)
-    monkeypatch.setattr("scripts.backends._cgroup_cpu_quota", lambda: None)
-    assert usable_cpus() == 6, "the affinity mask (taskset, SLURM's binding)"
-    monkeypatch.setattr("scripts.backends._cgroup_cpu_quota", lambda: 2.5)
-    assert usable_cpus() == 3, "a container's CPU quota (Docker --cpus 2.5), rounded up"
+    monkeypatch.setattr("scripts.summarize_trace.cgroup_cpu_quota", lambda root: 2.5)
     network, weights = saved(small_network(0), tmp_path / "model.pt")
     session = onnx_network(network, weights, WINDOW).session
-    assert session.get_session_options().intra_op_num_threads == 3
+    assert session.get_session_options().intra_op_num_threads == 3, "Docker --cpus 2.5 on 6 CPUs: 3 threads"
     assert onnx_network(network, weights, WINDOW, threads=1).session.get_session_options().intra_op_num_threads == 1
-
-
-@pytest.mark.parametrize(
-    ("files", "quota"),
-    [({"cpu.max": "150000 100000\n"}, 1.5), ({"cpu.max": "max 100000\n"}, None),
-     ({"cpu/cpu.cfs_quota_us": "200000\n", "cpu/cpu.cfs_period_us": "100000\n"}, 2.0),
-     ({"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, None), ({}, None)],
-    ids=["cgroup2 quota", "cgroup2 no quota", "cgroup1 quota", "cgroup1 no quota", "no cgroup"],
-)  # fmt: skip
-def test_the_cgroup_cpu_quota_is_read_from_both_cgroup_versions(tmp_path, files, quota):
-    for name, text in files.items():
-        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / name).write_text(text)
-    assert _cgroup_cpu_quota(tmp_path) == quota
 
 
 def test_a_failed_export_says_so_in_one_line_and_leaves_no_cache(tmp_path, monkeypatch):

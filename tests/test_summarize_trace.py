@@ -691,18 +691,18 @@ def test_a_decoding_process_that_dies_is_replaced_by_decoding_here(tmp_path, mon
 def test_the_second_process_is_used_for_large_files_when_two_cpus_are_free(tmp_path, monkeypatch):
     path = write(tmp_path / "trace.json", make_trace())
     children = _Children(monkeypatch)
-    monkeypatch.setattr(st, "_free_cpus", lambda: 2)
+    monkeypatch.setattr(st, "usable_cpus", lambda: 2)
     st.summarize(path)  # far below DECODE_PROCESS_MIN_BYTES
     st.summarize(path, parser="json")  # decodes every event: nothing to share
     assert children.procs == []
     monkeypatch.setattr(st, "DECODE_PROCESS_MIN_BYTES", 1)
     check(st.summarize(path)["sections"], EXPECTED_KERNELS)
     assert len(children.procs) == 1
-    monkeypatch.setattr(st, "_free_cpus", lambda: 1)
+    monkeypatch.setattr(st, "usable_cpus", lambda: 1)
     st.summarize(path)
     assert len(children.procs) == 1
     # a gzipped trace is judged by the JSON it holds (its trailer), not by its size on disk
-    monkeypatch.setattr(st, "_free_cpus", lambda: 2)
+    monkeypatch.setattr(st, "usable_cpus", lambda: 2)
     packed = tmp_path / "trace.json.gz"
     packed.write_bytes(gzip.compress(path.read_bytes()))
     monkeypatch.setattr(st, "DECODE_PROCESS_MIN_BYTES", path.stat().st_size)
