@@ -688,6 +688,45 @@ def test_a_decoding_process_that_dies_is_replaced_by_decoding_here(tmp_path, mon
     assert "decoding in this process instead" in caplog.text and "trace.json" in caplog.text
 
 
+def test_usable_cpus_are_the_affinity_mask_reduced_to_a_cgroup_quota(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5}, raising=False)
+    monkeypatch.setattr(st, "cgroup_cpu_quota", lambda root: None)
+    assert st.usable_cpus() == 6, "the affinity mask (taskset, SLURM's binding)"
+    monkeypatch.setattr(st, "cgroup_cpu_quota", lambda root: 2.5)
+    assert st.usable_cpus() == 3, "a container's CPU quota (Docker --cpus 2.5), rounded up"
+    monkeypatch.setattr(st, "cgroup_cpu_quota", lambda root: 0.5)
+    assert st.usable_cpus() == 1
+
+
+@pytest.mark.parametrize(
+    ("files", "quota"),
+    [({"cpu.max": "150000 100000\n"}, 1.5), ({"cpu.max": "max 100000\n"}, None), ({"cpu.max": "5 0\n"}, None),
+     ({"cpu/cpu.cfs_quota_us": "200000\n", "cpu/cpu.cfs_period_us": "100000\n"}, 2.0),
+     ({"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, None), ({}, None)],
+    ids=["cgroup2 quota", "cgroup2 no quota", "cgroup2 zero period", "cgroup1 quota", "cgroup1 no quota", "no cgroup"],
+)  # fmt: skip
+def test_the_cgroup_cpu_quota_is_read_from_both_cgroup_versions(tmp_path, files, quota):
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert st.cgroup_cpu_quota(tmp_path) == quota
+
+
+def test_a_container_limited_to_one_cpu_keeps_one_process(tmp_path, monkeypatch):
+    """Many CPUs in the affinity mask but a cgroup quota of one (a Kubernetes limit): the two processes would share
+    one CPU's time, so the trace is read in one."""
+    path = write(tmp_path / "trace.json", make_trace())
+    children = _Children(monkeypatch)
+    monkeypatch.setattr(st, "DECODE_PROCESS_MIN_BYTES", 1)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
+    monkeypatch.setattr(st, "cgroup_cpu_quota", lambda root: 1.0)
+    check(st.summarize(path)["sections"], EXPECTED_KERNELS)
+    assert children.procs == []
+    monkeypatch.setattr(st, "cgroup_cpu_quota", lambda root: 2.0)
+    check(st.summarize(path)["sections"], EXPECTED_KERNELS)
+    assert len(children.procs) == 1
+
+
 def test_the_second_process_is_used_for_large_files_when_two_cpus_are_free(tmp_path, monkeypatch):
     path = write(tmp_path / "trace.json", make_trace())
     children = _Children(monkeypatch)
