@@ -124,7 +124,7 @@ def export(network: torch.nn.Module, model_file: Path, window: Sequence[int], ke
     start = time.perf_counter()
     was_training = network.training
     network.eval()
-    example = torch.zeros(shape, dtype=torch.float32, device=next(network.parameters()).device)
+    example = torch.zeros(shape, dtype=torch.float32, device=device_of(network))
 
     def write(tmp: Path) -> None:
         with torch.no_grad():  # one window: every shape in the graph is fixed
@@ -148,6 +148,14 @@ def export(network: torch.nn.Module, model_file: Path, window: Sequence[int], ke
     write_json(_sidecar(model_file), record)
     logger.info("exported in %.1f s (%.0f MB)", time.perf_counter() - start, model_file.stat().st_size / 1e6)
     return model_file
+
+
+def device_of(network: torch.nn.Module) -> torch.device:
+    """Where ``network`` runs: its first parameter's or buffer's device; the CPU for a module with neither (a
+    threshold baseline, a stand-in), which any backend must run as well."""
+    tensor = next(network.parameters(), None)
+    tensor = next(network.buffers(), None) if tensor is None else tensor
+    return torch.device("cpu") if tensor is None else tensor.device
 
 
 def _simplify(model: Any) -> None:

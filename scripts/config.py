@@ -11,8 +11,11 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from monai.utils import str2bool
 from scripts.labels import COLLECTION, LabelError, check_labels
+
+#: MONAI's ``str2bool`` words (tests/test_config.py proves them the same); kept here so that the CLIs that read flags
+#: (``scripts.prepare``, the benchmarks) start without importing MONAI and torch (~4 s)
+TRUE_WORDS, FALSE_WORDS = ("yes", "true", "t", "y", "1"), ("no", "false", "f", "n", "0")
 
 
 class ConfigError(ValueError):
@@ -25,10 +28,12 @@ def as_bool(value: bool | str | int, name: str = "flag") -> bool:
     The rule is MONAI's ``str2bool`` (true/false, yes/no, t/f, y/n, 1/0, any case), the one the configs' ``as_bool``
     applies, with the id named when a value is neither.
     """
-    try:
-        return str2bool(str(value).strip())
-    except ValueError:
-        raise ConfigError(f"{name}={value!r}: expected true or false.") from None
+    if isinstance(value, bool):
+        return value
+    word = str(value).strip().lower()
+    if word in TRUE_WORDS or word in FALSE_WORDS:
+        return word in TRUE_WORDS
+    raise ConfigError(f"{name}={value!r}: expected true or false.")
 
 
 def check_config(

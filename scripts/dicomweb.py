@@ -28,30 +28,28 @@ from __future__ import annotations
 import base64
 import json
 import logging
-import math
 import os
 import re
 import shutil
 import ssl
-import statistics
 import tempfile
 import time
 import weakref
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import parse_qsl, urlsplit
 
-import numpy as np
 import pydicom
 import requests
 from dicomweb_client.api import DICOMwebClient
 from ignite.engine import Engine, Events
 from monai.transforms import MapTransform
 from pydicom.datadict import tag_for_keyword
-from scripts.dicom.ct import CT_IMAGE_STORAGE, ENHANCED_CT_STORAGE
-from scripts.files import check_case_name, write_json
+from scripts.dicom.series_rules import InstanceHeader, SeriesRules, choose_series
+from scripts.dicom.series_rules import describe_series as describe_rules_series
+from scripts.files import safe_name, unique_name, write_json
 from scripts.inputs import REPORT, write_report
 from scripts.writers.seg import ALGORITHM_NAME
 
@@ -65,7 +63,6 @@ TRANSIENT_STATUS = (408, 429, 500, 502, 503, 504)
 #: WADO-RS: every instance in the transfer syntax it is stored in (the reader decodes the compressed ones)
 AS_STORED = (("application/dicom", "*"),)
 RESULT_MODALITIES = ("SEG", "RTSTRUCT", "SR")
-AXIAL_COS = math.cos(math.radians(10))  # a slice normal within 10 degrees of the body axis is axial
 
 
 class DicomWebError(RuntimeError):
@@ -494,124 +491,19 @@ def _object(instance: Mapping | pydicom.Dataset) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------ choosing a series
-@dataclass(frozen=True)
-class SeriesRules:
-    """How a study's CT series is chosen: among the series of at least ``min_slices`` classic CT images, of
-    ``orientation`` (``axial``: the slice normal within 10 degrees of the body axis; or ``any``), whose
-    SeriesDescription matches the regular expression ``description`` (if given) and whose ImageType has none of
-    ``exclude_image_types``, the thinnest (smallest step between slice positions), then the one with most slices,
-    then the lowest series number."""
-
-    min_slices: int = 20
-    orientation: str = "axial"
-    description: str | None = None
-    exclude_image_types: tuple[str, ...] = ("LOCALIZER", "SECONDARY")
-
-    @classmethod
-    def of(cls, rules: Mapping[str, Any] | SeriesRules | None) -> SeriesRules:
-        """Rules from the config's ``series_rules`` mapping (unknown keys refused, naming them)."""
-        if isinstance(rules, SeriesRules):
-            return rules
-        given = dict(rules or {})
-        unknown = set(given) - set(cls.__dataclass_fields__)
-        if unknown:
-            raise ValueError(f"series_rules: unknown {sorted(unknown)}; the rules are {list(cls.__dataclass_fields__)}")
-        types = given.get("exclude_image_types", cls.exclude_image_types)
-        given["exclude_image_types"] = tuple(t.upper() for t in ((types,) if isinstance(types, str) else types or ()))
-        given["orientation"] = str(given.get("orientation", cls.orientation)).lower()
-        made = cls(**{**given, "min_slices": int(given.get("min_slices", cls.min_slices))})
-        if made.orientation not in ("axial", "any"):
-            raise ValueError(f"series_rules#orientation {made.orientation!r}: choose axial or any.")
-        if made.description is not None:
-            try:
-                re.compile(made.description)
-            except re.error as err:
-                raise ValueError(
-                    f"series_rules#description {made.description!r}: not a regular expression ({err})"
-                ) from None
-        return made
-
-
 def describe_series(series: Mapping, instances: Sequence[Mapping] | None) -> dict:
-    """What the rules need to know of a series: from its QIDO-RS record and, when examined, its instances' headers
-    (WADO-RS metadata): classic CT images, SOP classes, image types, orientation and slice step (mm)."""
-    info = {
-        "series_uid": str(_first(series, "SeriesInstanceUID")),
-        "modality": str(_first(series, "Modality", "")),
-        "number": _first(series, "SeriesNumber"),
-        "description": str(_first(series, "SeriesDescription", "") or ""),
-        "images": int(_first(series, "NumberOfSeriesRelatedInstances", 0) or 0),
-    }
-    if instances is None:
-        return info
-    ct = [i for i in instances if _first(i, "SOPClassUID") == CT_IMAGE_STORAGE]
-    info.update(images=len(ct), sop_classes=sorted({str(_first(i, "SOPClassUID")) for i in instances}))
-    info["image_types"] = sorted({str(v).upper() for i in instances for v in _values(i, "ImageType")})
-    orientations = {tuple(round(float(v), 3) for v in _values(i, "ImageOrientationPatient")) for i in ct}
-    info["orientation"], info["spacing_mm"] = "unknown", None
-    if len(orientations) > 1:
-        info["orientation"] = "mixed"
-    elif orientations and len(next(iter(orientations))) == 6:
-        row_col = np.asarray(next(iter(orientations)), float).reshape(2, 3)
-        normal = np.cross(row_col[0], row_col[1])
-        normal /= np.linalg.norm(normal) or 1.0
-        axis = int(np.argmax(np.abs(normal)))
-        info["orientation"] = ("sagittal", "coronal", "axial")[axis] if abs(normal[axis]) >= AXIAL_COS else "oblique"
-        positions = [_values(i, "ImagePositionPatient") for i in ct]
-        along = sorted({round(float(np.dot(normal, np.asarray(p, float))), 3) for p in positions if len(p) == 3})
-        gaps = np.diff(along)
-        info["spacing_mm"] = round(float(statistics.median(gaps)), 3) if len(gaps) else None
-    return info
-
-
-def choose_series(described: Sequence[Mapping], rules: SeriesRules | Mapping | None = None) -> tuple[dict | None, list]:
-    """The CT series the rules choose among ``described`` (:func:`describe_series`), or None, and every other CT
-    series with the reason it was not chosen."""
-    rules = SeriesRules.of(rules)
-    cts = [dict(s) for s in described if s.get("modality", "CT") == "CT"]
-    for info in cts:
-        info["reason"] = _refusal(info, rules)
-    usable = sorted((s for s in cts if s["reason"] is None), key=lambda s: (
-        s["spacing_mm"], -s["images"], _number(s["number"]), s["series_uid"]))  # fmt: skip
-    chosen = usable[0] if usable else None
-    if chosen is not None:
-        del chosen["reason"]
-        for other in usable[1:]:
-            if other["spacing_mm"] > chosen["spacing_mm"]:
-                why = f"{other['spacing_mm']:g} mm slices, thicker than the chosen {chosen['spacing_mm']:g} mm"
-            elif other["images"] < chosen["images"]:
-                why = f"{other['images']} slices, fewer than the chosen {chosen['images']}"
-            else:
-                why = "as thin and as many slices as the chosen one, which has the lower series number"
-            other["reason"] = f"usable, but {why}"
-    return chosen, [s for s in cts if s is not chosen]
-
-
-def _refusal(info: Mapping, rules: SeriesRules) -> str | None:
-    """Why the series cannot be the case's CT, or None when it can."""
-    if "sop_classes" not in info:  # not examined: QIDO-RS counted too few instances
-        return f"{info['images']} images, fewer than series_rules#min_slices ({rules.min_slices})"
-    if not info["images"] and set(info["sop_classes"]) & set(ENHANCED_CT_STORAGE):
-        return "Enhanced (multi-frame) CT: the reader takes classic CT images (one file per slice)"
-    if info["images"] < rules.min_slices:
-        return f"{info['images']} CT images, fewer than series_rules#min_slices ({rules.min_slices})"
-    excluded = [t for t in info["image_types"] if t in rules.exclude_image_types]
-    if excluded:
-        return f"ImageType {'/'.join(excluded)} (series_rules#exclude_image_types)"
-    if rules.orientation == "axial" and info["orientation"] != "axial":
-        return f"{info['orientation']} slices, not axial (series_rules#orientation)"
-    if rules.description is not None and not re.search(rules.description, info["description"]):
-        return f"SeriesDescription {info['description']!r} does not match series_rules#description"
-    if info["spacing_mm"] is None or info["spacing_mm"] <= 0:
-        return "slice positions missing or all at one place"
-    return None
-
-
-def _number(value: Any) -> float:
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return math.inf
+    """:func:`scripts.dicom.series_rules.describe_series` of a series from its QIDO-RS record and, when examined, its
+    instances' headers (WADO-RS metadata, DICOM JSON)."""
+    summary = {"series_uid": str(_first(series, "SeriesInstanceUID")), "modality": str(_first(series, "Modality", "")),
+               "number": _first(series, "SeriesNumber"), "description": _first(series, "SeriesDescription", ""),
+               "images": _first(series, "NumberOfSeriesRelatedInstances", 0)}  # fmt: skip
+    headers = None if instances is None else [
+        InstanceHeader(str(_first(i, "SOPClassUID")), tuple(str(v) for v in _values(i, "ImageType")),
+                       tuple(float(v) for v in _values(i, "ImageOrientationPatient")),
+                       tuple(float(v) for v in _values(i, "ImagePositionPatient")))
+        for i in instances
+    ]  # fmt: skip
+    return describe_rules_series(summary, headers)
 
 
 # ------------------------------------------------------------------------------------------------ cases
@@ -729,14 +621,7 @@ def _study_summary(study: Mapping) -> dict:
 def _case_id(study: Mapping, taken: set[str]) -> str:
     """``<PatientID>_<StudyDate>`` in characters every file system takes (``_2``, ``_3``, ... when repeated)."""
     parts = [str(_first(study, "PatientID", "") or "study"), str(_first(study, "StudyDate", "") or "")]
-    name = re.sub(r"[^A-Za-z0-9._-]+", "_", "_".join(p for p in parts if p)).strip("._")[:64] or "study"
-    check_case_name(name)
-    unique, number = name, 1
-    while unique in taken:
-        number += 1
-        unique = f"{name}_{number}"
-    taken.add(unique)
-    return unique
+    return unique_name(safe_name("_".join(p for p in parts if p)), taken)
 
 
 def _study_uids(value: str | Sequence[str] | None) -> list[str]:

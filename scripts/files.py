@@ -8,6 +8,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import threading
 import zlib
 from collections.abc import Callable, Sequence
@@ -58,6 +59,26 @@ def check_case_name(name: str) -> None:
             f"the name is {size} bytes long; with the bundle's file suffixes it would pass the file system's "
             f"{NAME_MAX_BYTES}-byte limit: rename it to at most {NAME_MAX_BYTES - CASE_SUFFIX_BYTES} bytes"
         )
+
+
+def safe_name(text: str) -> str:
+    """``text`` (a PatientID, a series number) as a name every file system takes: letters (any script), digits, ``.``,
+    ``_`` and ``-``, any other run of characters (and ``..``) as one ``_``, no leading dot, at most 64 characters (a
+    PatientID's own limit) and 128 bytes (room for the bundle's suffixes within 255)."""
+    name = re.sub(r"_+", "_", re.sub(r"[^\w.-]+|\.\.+", "_", str(text))).strip("._")[:64]
+    while len(name.encode("utf-8")) > 128:
+        name = name[:-1]
+    return name or "case"
+
+
+def unique_name(name: str, taken: set[str]) -> str:
+    """``name``, or ``name_2``, ``name_3``, ... when it is taken already; the result is added to ``taken``."""
+    unique, number = name, 1
+    while unique in taken:
+        number += 1
+        unique = f"{name}_{number}"
+    taken.add(unique)
+    return unique
 
 
 def display_name(name: str) -> str:

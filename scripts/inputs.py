@@ -1,10 +1,12 @@
 """Inference inputs: which cases an ``--input_dir`` holds, and each case loaded as the CT training saw.
 
-* :func:`find_inputs` turns ``--input_dir`` into cases: every CT series folder (one per case, or a TCIA-layout tree
-  ``<PatientID>/<SeriesNumber>/image/``) and every NIfTI file. Each series is checked from its headers before any
-  pixel is read (one series per folder, at least two slices on a straight line and no missing file, the tags that
-  place a slice in space); a bad input is skipped with a message naming the file, listed in
-  ``inference_report.json``, and the rest still run.
+* :func:`find_inputs` turns ``--input_dir`` into cases: every NIfTI file, and one case per DICOM study, found by
+  :mod:`scripts.dicom.discovery` from the files' headers in any folder layout, its CT series chosen by
+  ``series_rules`` -- the rule a study from a PACS gets (:mod:`scripts.dicom.series_rules`). A DICOM case is named
+  by its PatientID (``_<StudyDate>`` when the patient has several studies). Each series is checked from its headers
+  before any pixel is read (at least two slices on a straight line and no missing file, the tags that place a slice
+  in space); a bad input is skipped with a message naming the file, listed in ``inference_report.json``, and the
+  rest still run.
 * :class:`LoadCased` reads a case into a ``[1, X, Y, Z]`` MetaTensor in HU with its RAS affine -- the grid and
   orientation ``scripts.prepare`` writes for training, so inference sees what training saw. A series acquired at
   uneven spacing or with a gantry tilt is read onto an equal-step orthogonal grid (``read_ct_series(resample=True)``,
@@ -15,22 +17,22 @@
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import nibabel as nib
 import numpy as np
-import pydicom
 import torch
 from monai.data import Dataset, MetaTensor
 from monai.transforms import MapTransform, apply_transform
 from monai.utils import MetaKeys
-from pydicom.errors import InvalidDicomError
 from scripts.dicom import DicomCaseError, read_ct_series, scan_ct_series
-from scripts.dicom.ct import CT_IMAGE_STORAGE, ENHANCED_CT_STORAGE, SliceMap
-from scripts.files import check_case_name, display_name, write_json
+from scripts.dicom.ct import SeriesSource, SliceMap
+from scripts.dicom.discovery import DicomIndex, scan
+from scripts.dicom.series_rules import SeriesRules
+from scripts.files import check_case_name, display_name, unique_name, write_json
 
 logger = logging.getLogger(__name__)
 
@@ -46,45 +48,79 @@ class InferenceInputError(ValueError):
     """No usable input at all; the message names the folder and what it should hold."""
 
 
-def find_inputs(input_dir: str | Path, report_dir: str | Path | None = None) -> list[dict]:
-    """Cases under ``input_dir`` as ``{"image": path, "case_id": ..., "source": "dicom" | "nifti"}``.
+def find_inputs(
+    input_dir: str | Path, report_dir: str | Path | None = None, series_rules: SeriesRules | Mapping | None = None
+) -> list[dict]:
+    """Cases under ``input_dir`` as ``{"image": path, "case_id": ..., "source": "dicom" | "nifti"}``; a DICOM case
+    also carries its ``series_uid`` and ``slice_paths`` (``image`` is the series' folder).
 
-    Every CT series folder and NIfTI file is a case; each is checked from its headers first, and one that cannot
-    work is recorded as failed at the ``check`` stage (with the reason naming the file) and not returned. Folders
-    holding neither are listed as skipped. With ``report_dir`` all of it goes to
+    Every NIfTI file and every DICOM study is a case; each is checked from its headers first, and one that cannot
+    work is recorded as failed at the ``check`` stage (with the reason naming the file) and not returned. Top-level
+    folders holding neither are listed as skipped. With ``report_dir`` all of it goes to
     ``<report_dir>/inference_report.json``, which the run completes case by case. Raises
     :class:`InferenceInputError` when no case can be run at all.
     """
     root = Path(input_dir)
     if not root.exists():
         raise InferenceInputError(f"--input_dir {root}: no such file or folder.")
-    candidates, skipped = _candidates(root)
-    cases = [{"image": str(path), "source": source, "case_id": ""} for path, source in candidates]
-    _name_cases(cases, root)
-    runnable, failed = [], []
+    index = scan(root, exclude=[] if report_dir is None else [report_dir], progress=False)
+    dicom, failed = index.inference_cases(series_rules)
+    cases = [{**c, "source": "dicom", "source_path": c["image"]} for c in dicom]
+    taken = {c["case_id"] for c in cases + failed}
+    for rel in (r for r in index.headers if _is_nifti(Path(r))):
+        path = root / rel if root.is_dir() else root
+        cases.append(
+            {
+                "image": str(path),
+                "source": "nifti",
+                "source_path": str(path),
+                "case_id": unique_name(path.name.removesuffix(".gz").removesuffix(".nii").removesuffix(".NII"), taken),
+            }
+        )
+    if root.is_file() and not _is_nifti(root) and not cases:
+        cases.append({"image": str(root), "source": "unknown", "source_path": str(root), "case_id": root.name})
+    failed = [{**f, "source": "dicom", "status": "failed", "stage": "check"} for f in failed]
+    runnable = []
     for case in cases:
         try:
             check_case_name(case["case_id"])
-            _check_input(Path(case["image"]), case["source"])
+            _check_input(case)
         except (DicomCaseError, InferenceInputError, ValueError) as err:
             reason = str(err) if case["image"] in str(err) else f"{display_name(case['image'])}: {err}"
             failed.append({**case, "status": "failed", "stage": "check", "reason": reason})
-            logger.error("failed: %s", reason)
             continue
         runnable.append(case)
+    skipped = _skipped_folders(root, index)
+    for entry in failed:
+        logger.error("failed: %s", entry["reason"])
     for entry in skipped:
         logger.warning("skipped: %s", entry["reason"])
     if report_dir is not None:
         records = [{**c, "status": "pending"} for c in runnable] + failed
-        write_report(report_dir, {"input_dir": str(root), "cases": records, "skipped": skipped})
+        records = [{k: v for k, v in r.items() if k != "slice_paths"} for r in records]
+        write_report(
+            report_dir,
+            {
+                "input_dir": str(root),
+                "series_rules": asdict(SeriesRules.of(series_rules)),
+                "cases": records,
+                "skipped": skipped,
+                "skipped_files": index.skipped(),
+            },
+        )
     if not runnable:
         detail = "; ".join(e["reason"] for e in failed + skipped) or "it is empty"
         raise InferenceInputError(
-            f"--input_dir {root}: no usable input ({detail}). Give a folder of CT series folders (DICOM), a TCIA "
-            "tree <PatientID>/<SeriesNumber>/image/, or NIfTI files (.nii.gz)."
+            f"--input_dir {root}: no usable input ({detail}). Give a folder holding DICOM CT series (any layout: a "
+            "TCIA download, a PACS export) or NIfTI files (.nii.gz)."
         )
-    logger.info("%d case(s) to infer under %s; %d failed their check, %d skipped", len(runnable), root, len(failed),
-                len(skipped))  # fmt: skip
+    logger.info(
+        "%d case(s) to infer under %s; %d failed their check, %d skipped",
+        len(runnable),
+        root,
+        len(failed),
+        len(skipped),
+    )
     return runnable
 
 
@@ -93,35 +129,16 @@ def write_report(folder: str | Path, report: dict) -> Path:
     return write_json(Path(folder) / REPORT, report)
 
 
-def _candidates(root: Path) -> tuple[list[tuple[Path, str]], list[dict]]:
-    """(path, source) of every NIfTI file and CT series folder under ``root`` (links followed, each real folder
-    visited once, so a link loop cannot list a case twice), and the top-level folders that hold neither."""
-    if root.is_file():
-        return [(root, "nifti" if _is_nifti(root) else "unknown")], []
-    candidates: list[tuple[Path, str]] = []
-    covered: set[Path] = set()
-    visited: set[str] = set()
-    for folder, dirs, files in os.walk(root, followlinks=True):  # linked case folders are inputs too
-        real = os.path.realpath(folder)
-        if real in visited:
-            dirs[:] = []
-            continue
-        visited.add(real)
-        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-        folder = Path(folder)
-        for name in sorted(files):
-            if _is_nifti(folder / name):
-                candidates.append((folder / name, "nifti"))
-                covered.add(folder)
-        if _is_ct_folder(folder, files):
-            candidates.append((folder, "dicom"))
-            covered.add(folder)
-    skipped = [
+def _skipped_folders(root: Path, index: DicomIndex) -> list[dict]:
+    """The top-level folders of ``root`` that hold no CT image and no NIfTI file."""
+    if not root.is_dir():
+        return []
+    found = {Path(rel).parts[0] for rel, h in index.headers.items() if h["kind"] == "ct" or _is_nifti(Path(rel))}
+    return [
         {"input": display_name(str(child)), "reason": f"{display_name(str(child))}: no CT series (DICOM) or NIfTI."}
         for child in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
-        if not any(c == child or child in c.parents for c in covered)
+        if child.name not in found
     ]
-    return candidates, skipped
 
 
 class CaseDataset(Dataset):
@@ -163,15 +180,16 @@ def root_message(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
 
 
-def load_case(path: str | Path, source: str) -> MetaTensor:
+def load_case(path: str | Path, source: str, files: SeriesSource | None = None) -> MetaTensor:
     """A ``[1, X, Y, Z]`` float32 MetaTensor (HU) with its RAS affine, from a CT series folder or a NIfTI file. Its
     metadata says the channel is first (``original_channel_dim`` 0, MONAI's key), so ``EnsureChannelFirstd`` in the
     inference preprocessing leaves it as it is (and adds the channel to MONAI Deploy's channel-less volumes). A series
-    at uneven spacing or with a gantry tilt comes on its equal-step grid, with :data:`SLICE_MAP` in the metadata."""
+    at uneven spacing or with a gantry tilt comes on its equal-step grid, with :data:`SLICE_MAP` in the metadata.
+    ``files``: the series' files, as discovery found them (else every CT slice in the folder ``path``)."""
     path = Path(path)
     slices = None
     if source == "dicom":
-        ct = read_ct_series(path, resample=True)
+        ct = read_ct_series(files or path, resample=True)
         array, affine, slices = ct.hu, ct.affine_ras, ct.slices
         for note in ct.notes:
             logger.info("%s: %s", display_name(str(path)), note)
@@ -207,7 +225,8 @@ class LoadCased(MapTransform):
     def __call__(self, data: Mapping[Hashable, Any]) -> dict:
         d = dict(data)
         for key in self.key_iterator(d):
-            d[key] = load_case(d[key], d.get("source", "dicom" if Path(d[key]).is_dir() else "nifti"))
+            source = d.get("source", "dicom" if Path(d[key]).is_dir() else "nifti")
+            d[key] = load_case(d[key], source, d.get("slice_paths"))
         return d
 
 
@@ -215,24 +234,10 @@ def _is_nifti(path: Path) -> bool:
     return path.name.lower().endswith(NIFTI_SUFFIXES)
 
 
-def _is_ct_folder(folder: Path, files: Sequence[str]) -> bool:
-    """True when the folder holds a CT image (found by SOP Class; other objects and files beside it do not count)."""
-    for name in sorted(files):
-        if name.startswith(".") or _is_nifti(folder / name) or name.lower().endswith((".json", ".csv", ".txt")):
-            continue
-        try:
-            ds = pydicom.dcmread(folder / name, stop_before_pixels=True, specific_tags=["SOPClassUID"])
-        except (InvalidDicomError, OSError, EOFError, ValueError):
-            continue
-        sop = str(ds.get("SOPClassUID", "") or getattr(ds.get("file_meta"), "MediaStorageSOPClassUID", ""))
-        if sop == CT_IMAGE_STORAGE or sop in ENHANCED_CT_STORAGE:
-            return True
-    return False
-
-
-def _check_input(path: Path, source: str) -> None:
-    if source == "dicom":
-        scan_ct_series(path, resample=True)  # uneven spacing and gantry tilt are resampled when the case is read
+def _check_input(case: dict) -> None:
+    path, source = Path(case["image"]), case["source"]
+    if source == "dicom":  # uneven spacing and gantry tilt are resampled when the case is read
+        scan_ct_series(case.get("slice_paths") or path, resample=True)
     elif source == "nifti":
         shape = nib.load(str(path)).shape
         if not (len(shape) == 3 or (len(shape) == 4 and shape[-1] == 1)):
@@ -241,23 +246,3 @@ def _check_input(path: Path, source: str) -> None:
             raise InferenceInputError(f"{path}: image of shape {tuple(shape)} has a single slice; a 3D CT is needed.")
     else:
         raise InferenceInputError(f"{path}: not a NIfTI file (.nii, .nii.gz) or a folder of DICOM CT slices.")
-
-
-def _name_cases(cases: list[dict], root: Path) -> None:
-    """Case ids from paths: a TCIA tree's ``LUNG1-001/<SeriesNumber>/image`` is ``LUNG1-001`` (``LUNG1-001_<Series>``
-    when the patient has several series), another folder its path under ``input_dir`` joined by ``_``, a NIfTI file
-    its name without extension. Repeated ids get ``_2``, ``_3``, ..."""
-    seen: dict[str, int] = {}
-    for case in cases:
-        path = Path(case["image"])
-        case["source_path"] = case["image"]  # kept as a string (not "image_..."; MONAI treats those as meta dicts)
-        if case["source"] == "nifti":
-            name = path.name.removesuffix(".gz").removesuffix(".nii").removesuffix(".NII")
-        elif path.name.lower() == "image" and path.parent != root and path.parent.parent != root.parent:
-            series, patient = path.parent, path.parent.parent
-            siblings = [d for d in patient.iterdir() if (d / "image").is_dir() or (d / "IMAGE").is_dir()]
-            name = patient.name if len(siblings) == 1 else f"{patient.name}_{series.name}"
-        else:
-            name = "_".join(path.relative_to(root).parts) if path != root else root.name
-        seen[name] = seen.get(name, 0) + 1
-        case["case_id"] = name if seen[name] == 1 else f"{name}_{seen[name]}"

@@ -38,7 +38,7 @@ import numpy as np
 from ignite.engine import Engine, Events
 from monai.transforms import MapTransform
 from scripts.batches import merged_items
-from scripts.dicom import SliceMap, read_ct_series
+from scripts.dicom import SeriesSource, SliceMap, read_ct_series
 from scripts.figures import png_bytes, render_planes
 from scripts.files import display_name, save_nifti, write_json
 from scripts.geometry import voxel_volume_ml
@@ -114,6 +114,7 @@ class SaveCased(MapTransform):
         affine = np.asarray(tensor.meta.get("original_affine", tensor.affine), dtype=float)
         files = {"nifti": str(save_nifti(folder / f"{case_id}_seg.nii.gz", labels, affine))}
         dicom = d.get("source") == "dicom"
+        series = d.get("slice_paths") or d.get("source_path")  # the CT series' files (discovery), or its folder
         slices = slice_map_of(tensor.meta) if dicom and hasattr(tensor, "meta") else None
         on_slices = labels if slices is None else slices.to_slices(labels)  # the series' own slices, for SEG/RTSTRUCT
         if slices is not None:
@@ -122,13 +123,13 @@ class SaveCased(MapTransform):
         report = self._report(d, labels, affine, case_id, folder, files, slices) if self.write_report else None
         if dicom and self.write_seg:
             files["dicom_seg"] = str(folder / f"{case_id}_seg.dcm")
-            write_dicom_seg(on_slices, d["source_path"], self.labels, files["dicom_seg"], self.algorithm)
+            write_dicom_seg(on_slices, series, self.labels, files["dicom_seg"], self.algorithm)
         if dicom and self.write_rtstruct:
             files["rtstruct"] = str(folder / f"{case_id}_rtstruct.dcm")
-            write_rtstruct(on_slices, d["source_path"], self.labels, files["rtstruct"], self.version)
+            write_rtstruct(on_slices, series, self.labels, files["rtstruct"], self.version)
         if dicom and self.write_sr and report is not None:
             files["sr"] = str(folder / f"{case_id}_sr.dcm")
-            write_sr(report, d["source_path"], files.get("dicom_seg"), files["sr"], self.version)
+            write_sr(report, series, files.get("dicom_seg"), files["sr"], self.version)
         voxel_ml = voxel_volume_ml(affine)
         volumes = {n: round(float((labels == i).sum()) * voxel_ml, 3) for i, n in enumerate(self.labels, start=1)}
         logger.info("%s: %s, volumes (ml) %s", case_id, ", ".join(Path(f).name for f in files.values()), volumes)
@@ -146,7 +147,7 @@ class SaveCased(MapTransform):
     ) -> dict:
         """The tumour report of the prediction, with HU from the case's CT read again (on the grid the prediction is
         on), as JSON and as a three-plane picture; a resampled series' notes say how, and where the DICOM labels are."""
-        hu, notes = original_ct(d["source_path"], d.get("source", "dicom"), labels.shape)
+        hu, notes = original_ct(d.get("slice_paths") or d["source_path"], d.get("source", "dicom"), labels.shape)
         report = tumour_report(labels, hu, affine, self.labels)
         context = {"input": display_name(str(d["source_path"])), "model_version": self.version}
         if slices is not None:
@@ -164,7 +165,7 @@ class SaveCased(MapTransform):
         return report
 
 
-def original_ct(path: str | Path, source: str, shape: tuple[int, ...]) -> tuple[np.ndarray | None, list[str]]:
+def original_ct(path: SeriesSource, source: str, shape: tuple[int, ...]) -> tuple[np.ndarray | None, list[str]]:
     """The case's CT in HU on the grid inference read it on (a DICOM series' own, or its equal-step grid when it was
     resampled; a NIfTI's), for the report, and the reader's notes; HU None if it cannot be read again or does not
     match the prediction's grid (the report then has no HU statistics)."""

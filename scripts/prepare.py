@@ -1,7 +1,12 @@
-"""One-time conversion of TCIA-layout DICOM cases to NIfTI, a deterministic split, and a report of bad cases.
+"""One-time conversion of DICOM cases to NIfTI, a deterministic split, and a report of bad cases.
 
-Input: ``<dataset_dir>/<collection>/<PatientID>/<SeriesNumber>/{image,seg}/*.dcm`` -- the layout written by
-``scripts.tcia``, ``scripts.synthetic`` and ``monai.apps.TciaDataset``.
+Input: any folder of DICOM -- a download by TCIA's NBIA Data Retriever as it is, the ``monai.apps.TciaDataset`` /
+``scripts.tcia`` / ``scripts.synthetic`` layout ``<collection>/<PatientID>/<SeriesNumber>/{image,seg}/``, a PACS or
+treatment-planning export. The cases are found from the files' headers by :mod:`scripts.dicom.discovery` (a CT series
+and the SEG or RTSTRUCT that annotates it; the case id is the PatientID), which keeps what it read in
+``<output_dir>/dicom_index.json`` so that a re-run reads only new or changed files. When ``<dataset_dir>/<collection>``
+exists only that folder is searched (other collections may lie beside it); else the whole ``dataset_dir``, less the
+output folder.
 
 Output (``<output_dir>``):
 
@@ -24,10 +29,9 @@ orientation (rows/columns flipped, as for some prone or feet-first scans) is kep
 training reorients to RAS -- and noted, so that a user checking the data knows which cases to look at.
 
 DICOM is parsed here once; training reads only the NIfTI files. A re-run skips cases that were prepared for the same
-labels and whose folder still holds the same files (names, sizes and headers: :func:`scripts.files.fingerprint`;
-modification times are not trusted). A case whose name is not valid UTF-8 or too long for the output file names is
-rejected with the reason. Every file is written under a temporary name and renamed, so a killed run never leaves a
-half-written file behind.
+labels from the same files (paths, sizes, modification and inode change times -- the change time, which copy tools do
+not set back, catches a file replaced by one carrying an old modification time). Every file is written under a
+temporary name and renamed, so a killed run never leaves a half-written file behind.
 """
 
 from __future__ import annotations
@@ -44,8 +48,9 @@ from pathlib import Path
 import nibabel as nib
 import numpy as np
 from scripts.config import as_bool
-from scripts.dicom import LABEL_SOURCES, DicomCaseError, find_annotation, read_case
-from scripts.files import check_case_name, display_name, fingerprint, save_nifti, write_json
+from scripts.dicom import LABEL_SOURCES, DicomCaseError, read_case
+from scripts.dicom.discovery import DiscoveryError, scan
+from scripts.files import display_name, save_nifti, write_json
 from scripts.geometry import voxel_volume_ml
 from scripts.labels import COLLECTION, check_labels
 from scripts.summarize_trace import usable_cpus
@@ -55,6 +60,7 @@ logger = logging.getLogger(__name__)
 
 DATALIST = "datalist.json"
 REPORT = "prepare_report.json"
+INDEX = "dicom_index.json"  # the headers discovery read, reused by the next run
 USUAL_ORIENTATION = "LPS"  # NIfTI axis codes of an axial CT with ImageOrientationPatient [1,0,0,0,1,0], head up
 CASES_PER_WORKER = 8
 
@@ -103,27 +109,31 @@ def prepare(
     if not 0 <= val_fraction < 1 or not 0 <= test_fraction < 1 or val_fraction + test_fraction >= 1:
         raise ValueError(f"val_fraction={val_fraction} and test_fraction={test_fraction} must leave training cases.")
     output_dir = Path(output_dir)
-    cases = find_cases(dataset_dir, collection)
+    found = find_cases(dataset_dir, collection, labels, label_source, output_dir, progress)
+    cases = found["cases"]
     records, todo = _reuse_up_to_date(cases, output_dir, {"labels": labels, "label_source": label_source},
                                       compress_images)  # fmt: skip
     for sub in ("images", "labels"):
         (output_dir / sub).mkdir(parents=True, exist_ok=True)
-    for record in _convert(todo, output_dir, labels, label_source, compress_images, num_workers, progress):
+    for record in _convert(todo, output_dir, labels, compress_images, num_workers, progress):
         records[record["case_id"]] = record
 
-    ordered = [records[c["case_id"]] for c in cases]
+    ordered = sorted(
+        [records[c["case_id"]] for c in cases] + [{**r, "status": "rejected"} for r in found["rejected"]],
+        key=lambda r: r["case_id"],
+    )
     good = [r for r in ordered if r["status"] != "rejected"]
     _log_outcomes(ordered)
     if not good:
         reasons = sorted({r["reason"] for r in ordered})[:5]
         raise PrepareError(
-            f"none of the {len(cases)} cases under {Path(dataset_dir) / collection} could be prepared for labels "
+            f"none of the {len(ordered)} cases under {found['root']} could be prepared for labels "
             f"{labels}. Reasons include:\n  " + "\n  ".join(reasons)
         )
     datalist = split_cases(good, val_fraction, test_fraction, num_folds, seed)
     datalist.update({"labels": labels, "collection": collection})
     report = _report(dataset_dir, collection, labels, ordered)
-    report["label_source"] = label_source
+    report.update(label_source=label_source, searched=found["root"], skipped_files=found["skipped"])
     write_json(output_dir / DATALIST, datalist)
     write_json(output_dir / REPORT, report)
     logger.info("prepared %d, up to date %d, rejected %d -> %s", report["num_prepared"], report["num_up_to_date"],
@@ -151,9 +161,8 @@ def _reuse_up_to_date(
 
 
 def _convert(
-    todo: list[dict], output_dir: Path, labels: list[str], source: str, compress: bool, num_workers: int | None,
-    progress: bool,
-) -> list[dict]:  # fmt: skip
+    todo: list[dict], output_dir: Path, labels: list[str], compress: bool, num_workers: int | None, progress: bool
+) -> list[dict]:
     """:func:`prepare_case` for every case of ``todo``: in worker processes when there are cases enough for several,
     else in two threads of this process."""
     # a worker process costs seconds to start (it imports the launching program -- torch and MONAI under
@@ -168,7 +177,7 @@ def _convert(
         else:  # spawn, not fork: the parent may hold torch/OpenMP threads that a forked child would inherit broken
             pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
         with pool:
-            futures = [pool.submit(prepare_case, case, output_dir, labels, compress, source) for case in todo]
+            futures = [pool.submit(prepare_case, case, output_dir, labels, compress) for case in todo]
             try:
                 for future in as_completed(futures):
                     records.append(future.result())
@@ -204,49 +213,54 @@ def _report(dataset_dir: str | Path, collection: str, labels: list[str], records
     }
 
 
-def find_cases(dataset_dir: str | Path, collection: str = COLLECTION) -> list[dict]:
-    """List the case folders ``<collection>/<PatientID>/<SeriesNumber>`` in sorted order.
-
-    The case id is the patient id, or ``<PatientID>_<SeriesNumber>`` when a patient has several series folders.
-    TciaDataset's ``raw`` download folder is ignored.
-    """
-    root = Path(dataset_dir) / collection
-    if not root.is_dir():
-        raise PrepareError(
-            f"{root} does not exist. Download the data with `python -m scripts.tcia download --dataset_dir "
-            f"{dataset_dir}` or point --dataset_dir at the folder that contains '{collection}/'."
-        )
-    cases = []
-    for patient in sorted(p for p in root.iterdir() if p.is_dir() and p.name != "raw" and not p.name.startswith(".")):
-        series = sorted(s for s in patient.iterdir() if s.is_dir() and not s.name.startswith("."))
-        for s in series:
-            case_id = patient.name if len(series) == 1 else f"{patient.name}_{s.name}"
-            cases.append({"case_id": case_id, "patient_id": patient.name, "path": str(s)})
-    if not cases:
-        raise PrepareError(f"{root} holds no <PatientID>/<SeriesNumber>/ folders; is the download complete?")
-    return cases
-
-
-def prepare_case(
-    case: dict, output_dir: str | Path, labels: Sequence[str], compress_images: bool = False, label_source: str = "auto"
+def find_cases(
+    dataset_dir: str | Path,
+    collection: str = COLLECTION,
+    labels: Sequence[str] = ("GTV-1",),
+    label_source: str = "auto",
+    output_dir: str | Path | None = None,
+    progress: bool = False,
 ) -> dict:
-    """Convert one case; never raises for bad data -- returns a ``rejected`` record with the reason instead."""
+    """The cases under ``dataset_dir`` (see the module docstring): ``{"root": the folder searched, "cases": [...],
+    "rejected": [...], "skipped": {what: count}}``, each case as :meth:`~scripts.dicom.discovery.DicomIndex.
+    training_cases` gives it, sorted by case id. With ``output_dir``, that folder is not searched and the headers
+    read are kept in ``<output_dir>/dicom_index.json``. :class:`PrepareError` when the folder holds no DICOM CT."""
+    dataset_dir = Path(dataset_dir)
+    root = dataset_dir / collection if (dataset_dir / collection).is_dir() else dataset_dir
+    exclude = [root / "raw"]  # TciaDataset's download cache: copies of files that lie in the case folders
+    if output_dir is not None:
+        exclude.append(Path(output_dir))
+    try:
+        index = scan(root, None if output_dir is None else Path(output_dir) / INDEX, exclude, progress)
+    except DiscoveryError as err:
+        raise PrepareError(
+            f"{err} Point --dataset_dir at the folder holding the DICOM files (a TCIA download as it is, e.g. the "
+            f"Data Retriever's folder, or the folder that contains '{collection}/'); `python -m scripts.tcia "
+            f"download --dataset_dir {dataset_dir}` downloads the collection."
+        ) from None
+    cases, rejected = index.training_cases(labels, label_source)
+    if not cases and not rejected:
+        skipped = ", ".join(f"{n} {what}" for what, n in index.skipped().items()) or "no files"
+        raise PrepareError(
+            f"{root} holds no DICOM CT series ({skipped}). Point --dataset_dir at the folder holding the DICOM files "
+            f"(a TCIA download as it is), or download them: `python -m scripts.tcia download --dataset_dir "
+            f"{dataset_dir}`."
+        )
+    found = {"root": str(root), "skipped": index.skipped(), "timings": index.timings}
+    for key, records in (("cases", cases), ("rejected", rejected)):
+        found[key] = sorted(records, key=lambda record: record["case_id"])
+    return found
+
+
+def prepare_case(case: dict, output_dir: str | Path, labels: Sequence[str], compress_images: bool = False) -> dict:
+    """Convert one case found by :func:`find_cases`; never raises for bad data -- returns a ``rejected`` record with
+    the reason instead. The record names the CT series and the annotation used (paths and UIDs), not every file."""
     output_dir = Path(output_dir)
-    series_dir = Path(case["path"])
-    record = {**case, "status": "rejected"}
+    record = {k: v for k, v in case.items() if k != "slice_paths"}
+    record.update(status="rejected", slices=len(case["slice_paths"]))
+    annotation = Path(case["annotation"]["file"])
     try:
-        check_case_name(case["case_id"])
-    except ValueError as err:
-        record["reason"] = f"{display_name(case['case_id'])}: {err}; the case is left out"
-        return record
-    try:
-        record["fingerprint"] = fingerprint(series_dir)  # before reading: a change while converting shows next run
-        annotation = find_annotation(series_dir, label_source)
-        record["annotation"] = str(annotation.relative_to(series_dir))
-        image_dir = series_dir / "image"
-        if not image_dir.is_dir():
-            raise DicomCaseError(f"{image_dir}: no image folder; the CT series of this case was not downloaded.")
-        volumes = read_case(image_dir, annotation, labels)
+        volumes = read_case(case["slice_paths"], annotation, labels)
         voxels = {name: int(np.count_nonzero(volumes.label == index + 1)) for index, name in enumerate(labels)}
         for name, count in voxels.items():
             if not count:
@@ -263,12 +277,12 @@ def prepare_case(
         return record
     except Exception as err:  # an unexpected failure in one case must not end a 422-case run
         logger.exception("unexpected error in %s", case["case_id"])
-        record["reason"] = f"{case['case_id']}: unexpected {type(err).__name__} in {series_dir}: {err}"
+        record["reason"] = f"{case['case_id']}: unexpected {type(err).__name__} in {case['path']}: {err}"
         return record
 
     spacing = [round(s, 4) for s in volumes.info["spacing"]]
     orientation = "".join(nib.aff2axcodes(volumes.affine))
-    notes = list(volumes.info.get("notes", []))
+    notes = case["notes"] + list(volumes.info.get("notes", []))
     if orientation != USUAL_ORIENTATION:
         notes.append(
             f"stored in {orientation} orientation, not the usual {USUAL_ORIENTATION} (flipped or rotated rows/columns, "
@@ -324,11 +338,11 @@ def _outputs(case: dict, output_dir: Path, compress_images: bool) -> tuple[Path,
 
 
 def _up_to_date(case: dict, old: dict, output_dir: Path, compress_images: bool) -> bool:
-    """True when the outputs exist and the case folder holds what it held when they were made (same files, sizes and
-    headers: see :func:`scripts.files.fingerprint`; modification times are not trusted)."""
+    """True when the outputs exist and were made from the same files (:meth:`~scripts.dicom.discovery.DicomIndex.
+    fingerprint`: paths, sizes, modification and change times)."""
     if not all(p.is_file() for p in _outputs(case, output_dir, compress_images)):
         return False
-    return bool(old.get("fingerprint")) and old["fingerprint"] == fingerprint(case["path"])
+    return bool(old.get("fingerprint")) and old["fingerprint"] == case["fingerprint"]
 
 
 def _load_json(path: Path) -> dict | None:

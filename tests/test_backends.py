@@ -154,3 +154,17 @@ def test_an_onnx_network_has_no_parameters_and_returns_float32_logits_on_the_cpu
     out = onnx.eval()(torch.rand(2, 1, *WINDOW, dtype=torch.float64))
     assert out.dtype == torch.float32 and out.device.type == "cpu" and tuple(out.shape) == (2, 2, *WINDOW)
     assert np.isfinite(out.numpy()).all()
+
+
+class Threshold(torch.nn.Module):
+    """A network without parameters or buffers (a thresholding baseline): background and foreground logits."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([0.5 - x, x - 0.5], dim=1)
+
+
+def test_a_network_without_parameters_runs_on_the_onnx_backend_as_in_torch(tmp_path):
+    network, weights = saved(Threshold(), tmp_path / "threshold.pt")
+    onnx = onnx_network(network, weights, WINDOW)
+    x = torch.rand(2, 1, *WINDOW)
+    np.testing.assert_allclose(onnx(x).numpy(), network(x).numpy(), atol=1e-6)

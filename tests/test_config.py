@@ -33,3 +33,18 @@ def test_command_line_flags_are_parsed_as_booleans(text, expected):
 def test_unclear_flag_is_refused():
     with pytest.raises(ConfigError, match="expected true or false"):
         as_bool("maybe", "resume")
+
+
+def test_flags_are_read_by_monais_own_rule():
+    """as_bool keeps MONAI's str2bool words without importing MONAI: the same answer for every word, any case."""
+    from monai.utils import str2bool
+    from scripts.config import FALSE_WORDS, TRUE_WORDS
+
+    for word in (*TRUE_WORDS, *FALSE_WORDS):
+        for text in (word, word.upper(), f" {word.title()} "):
+            assert as_bool(text) == str2bool(text.strip())
+    for text in ("maybe", "", "2", "on"):
+        with pytest.raises(ValueError):
+            str2bool(text)
+        with pytest.raises(ConfigError):
+            as_bool(text)

@@ -16,14 +16,7 @@ import pydicom
 import pytest
 from pydicom.dataset import Dataset, FileMetaDataset
 from pydicom.uid import ExplicitVRLittleEndian, RTStructureSetStorage, generate_uid
-from scripts.dicom import (
-    RTSTRUCT_STORAGE,
-    DicomCaseError,
-    find_rtstruct_file,
-    is_rtstruct,
-    read_ct_series,
-    read_rtstruct_labels,
-)
+from scripts.dicom import RTSTRUCT_STORAGE, DicomCaseError, is_rtstruct, read_ct_series, read_rtstruct_labels
 from scripts.synthetic import write_case
 
 PIXEL_MM, SLICE_MM = 0.7, 3.0
@@ -299,9 +292,6 @@ def test_unreadable_rtstruct_is_named(case, tmp_path, damage):
     assert is_rtstruct(path) == (damage == "truncated")  # the header still says RT Structure Set
 
 
-def test_is_rtstruct_and_find_rtstruct_file(case, tmp_path):
+def test_is_rtstruct(case, tmp_path):
     assert RTSTRUCT_STORAGE == "1.2.840.10008.5.1.4.1.1.481.3"
     assert is_rtstruct(case["path"]) and not is_rtstruct(case["ct"].files[0]) and not is_rtstruct(tmp_path / "none")
-    assert find_rtstruct_file(case["path"].parent) == case["path"]
-    with pytest.raises(DicomCaseError, match="no rtstruct folder"):
-        find_rtstruct_file(tmp_path / "rtstruct")

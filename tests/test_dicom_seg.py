@@ -14,7 +14,7 @@ import pydicom
 import pytest
 from dicom_factory import Series
 from dicom_factory import write_case as write_factory_case
-from scripts.dicom import DicomCaseError, find_seg_file, read_case
+from scripts.dicom import DicomCaseError, read_case
 from scripts.dicom.seg import _raw_frame_items, frame_references
 from scripts.synthetic import tumour_contains, write_case
 
@@ -29,8 +29,7 @@ def voxel_centres_lps(affine_ras: np.ndarray, shape) -> np.ndarray:
 
 
 def read(truth: dict, labels=("GTV-1",)):
-    case_dir = Path(truth["image_dir"]).parent
-    return read_case(case_dir / "image", find_seg_file(case_dir / "seg"), labels)
+    return read_case(truth["image_dir"], truth["seg_file"], labels)
 
 
 def assert_tumour_matches_truth(volumes, truth: dict) -> None:
@@ -114,13 +113,6 @@ def test_seg_referencing_another_series(case):
         read(case)
 
 
-def test_no_seg_folder(case):
-    seg_dir = Path(case["seg_file"]).parent
-    shutil.rmtree(seg_dir)
-    with pytest.raises(DicomCaseError, match="no seg folder"):
-        find_seg_file(seg_dir)
-
-
 @pytest.mark.parametrize("damage", ["garbage", "truncated", "a CT slice"])
 def test_corrupt_seg_is_named(case, damage):
     seg_file = Path(case["seg_file"])
@@ -147,25 +139,6 @@ def test_fractional_seg_reads_like_the_binary_one(case):
     seg.save_as(case["seg_file"])
     np.testing.assert_array_equal(read(case).label, binary)
     assert binary.sum() > 0
-
-
-def test_the_seg_is_found_by_sop_class_beside_an_rtstruct_whatever_its_name(tmp_path):
-    image_dir, seg_file = write_factory_case(Series(), tmp_path / "case")
-    renamed = seg_file.with_name("segmentation")  # no .dcm suffix, as some exports name it
-    seg_file.rename(renamed)
-    rtstruct = pydicom.dcmread(renamed, stop_before_pixels=True)  # a header carrying the RT Structure Set class
-    rtstruct.SOPClassUID = rtstruct.file_meta.MediaStorageSOPClassUID = "1.2.840.10008.5.1.4.1.1.481.3"
-    rtstruct.save_as(seg_file.with_name("RS.dcm"), enforce_file_format=True)
-    assert find_seg_file(seg_file.parent) == renamed
-    volumes = read_case(image_dir, renamed, ["GTV-1"])
-    assert (volumes.label == 1).sum() > 0
-
-
-def test_two_segs_in_one_folder_are_refused_by_name(tmp_path):
-    _, seg_file = write_factory_case(Series(), tmp_path / "case")
-    shutil.copy(seg_file, seg_file.with_name("second"))
-    with pytest.raises(DicomCaseError, match=r"2 DICOM SEG objects \(1-1\.dcm, second\)"):
-        find_seg_file(seg_file.parent)
 
 
 def _rewrite_seg(seg_file: Path, encoding: str) -> None:

@@ -43,15 +43,7 @@ import requests
 from conftest import ROOT, bundle_run, save_weights
 from dicomweb_client.api import DICOMwebClient
 from pydicom.uid import generate_uid
-from scripts.dicomweb import (
-    DicomWeb,
-    DicomWebError,
-    DicomWebStoreError,
-    RetrieveSeriesd,
-    SeriesRules,
-    StoreResultsd,
-    choose_series,
-)
+from scripts.dicomweb import DicomWeb, DicomWebError, DicomWebStoreError, RetrieveSeriesd, StoreResultsd
 
 ORTHANC = shutil.which("Orthanc") or shutil.which("Orthanc", path="/usr/sbin:/sbin")
 PLUGIN = next(iter(sorted(glob.glob("/usr/share/orthanc/plugins/libOrthancDicomWeb.so*")
@@ -71,58 +63,6 @@ NETWORK = ["--feature_size", "12", "--roi_size", "[64,64,32]", "--spacing", "[2.
            "--inference_backend", "torch"]  # fmt: skip
 RUN_DATE = "20250315"  # the studies the workflow infers; the other tests' studies are dated 2024
 VERSION = json.loads((ROOT / "configs" / "metadata.json").read_text())["version"]
-
-
-# ------------------------------------------------------------------------------------------ the choice of series
-def series(uid: str, images: int = 40, spacing: float | None = 1.0, orientation: str = "axial", description: str = "",
-           image_types: tuple[str, ...] = ("ORIGINAL", "PRIMARY", "AXIAL"), number: int = 1,
-           sop_classes: tuple[str, ...] = ("1.2.840.10008.5.1.4.1.1.2",)) -> dict:  # fmt: skip
-    """A series as describe_series reports one it examined."""
-    return {"series_uid": uid, "modality": "CT", "number": number, "description": description, "images": images,
-            "sop_classes": list(sop_classes), "image_types": list(image_types), "orientation": orientation,
-            "spacing_mm": spacing}  # fmt: skip
-
-
-def test_the_thinnest_axial_series_with_enough_slices_is_chosen_and_every_other_one_says_why():
-    candidates = [
-        series("thick", spacing=5.0, number=2),
-        series("thin", spacing=1.0, number=3),
-        series("scout", images=30, spacing=0.5, image_types=("ORIGINAL", "PRIMARY", "LOCALIZER"), number=1),
-        series("few", images=12, spacing=0.6, number=4),
-        series("coronal", spacing=0.5, orientation="coronal", number=5),
-        series("mip", spacing=0.5, image_types=("DERIVED", "SECONDARY", "AXIAL", "MIP"), number=6),
-        series("enhanced", images=0, spacing=None, sop_classes=("1.2.840.10008.5.1.4.1.1.2.1",), number=7),
-        {"series_uid": "unexamined", "modality": "CT", "number": 8, "description": "", "images": 3},
-    ]
-    chosen, others = choose_series(candidates)
-    assert chosen["series_uid"] == "thin" and "reason" not in chosen
-    reasons = {s["series_uid"]: s["reason"] for s in others}
-    assert reasons["thick"] == "usable, but 5 mm slices, thicker than the chosen 1 mm"
-    assert reasons["few"] == "12 CT images, fewer than series_rules#min_slices (20)"
-    assert "coronal slices, not axial" in reasons["coronal"]
-    assert "ImageType SECONDARY" in reasons["mip"] and "LOCALIZER" not in reasons["mip"]
-    assert "Enhanced (multi-frame) CT" in reasons["enhanced"]
-    assert reasons["unexamined"] == "3 images, fewer than series_rules#min_slices (20)"
-    assert reasons["scout"] == "ImageType LOCALIZER (series_rules#exclude_image_types)"
-
-
-def test_the_rules_can_be_set_and_ties_go_to_more_slices_then_the_lower_series_number():
-    candidates = [
-        series("a", images=40, number=5),
-        series("b", images=60, number=6),
-        series("c", images=60, number=4),
-        series("chest", spacing=2.0, description="Thorax 2mm"),
-        series("few", images=12, spacing=0.6),
-    ]
-    assert choose_series(candidates)[0]["series_uid"] == "c"
-    assert choose_series(candidates, {"description": "(?i)thorax"})[0]["series_uid"] == "chest"
-    assert choose_series(candidates, {"min_slices": 10})[0]["series_uid"] == "few"
-    coronal = [series("cor", orientation="coronal")]
-    assert choose_series(coronal)[0] is None and choose_series(coronal, {"orientation": "any"})[0] is not None
-    with pytest.raises(ValueError, match=r"unknown \['thinnest'\]"):
-        SeriesRules.of({"thinnest": True})
-    with pytest.raises(ValueError, match="not a regular expression"):
-        SeriesRules.of({"description": "(unclosed"})
 
 
 # ------------------------------------------------------------------------------------------ settings and secrets
@@ -364,9 +304,10 @@ def as_new_series(slices: list[pydicom.Dataset], number: int, description: str, 
 
 @pytest.fixture(scope="module")
 def studies(orthanc, tmp_path_factory):
-    """Uploaded by STOW-RS: A, D, E one CT each; B a 1.5 mm series of 40 slices, the same resampled to 3 mm (20
-    slices) and a 2-image scout; C only a 4-slice CT (no usable series); F (dated 2024, outside the workflow's
-    query) for the tests of storing. Each study's CT slices as written are kept to compare with."""
+    """Uploaded by STOW-RS: A, D, E one CT each (D's a 4D-CT phase: DERIVED/SECONDARY); B a 1.5 mm series of 40
+    slices, the same resampled to 3 mm (20 slices) and a 2-image scout; C only a 4-slice CT (no usable series); F
+    (dated 2024, outside the workflow's query) for the tests of storing. Each study's CT slices as written are kept
+    to compare with."""
     from scripts.synthetic import write_case
 
     tmp = tmp_path_factory.mktemp("studies")
@@ -378,6 +319,8 @@ def studies(orthanc, tmp_path_factory):
         made[name] = {"truth": truth, "study": truth["study_uid"], "ct": read_series(truth["image_dir"])}
     made["B"]["thick"] = as_new_series(made["B"]["ct"][::2], 7, "3 mm")
     made["B"]["scout"] = as_new_series(made["B"]["ct"][:2], 8, "scout", image_type=["ORIGINAL", "PRIMARY", "LOCALIZER"])
+    for ds in made["D"]["ct"]:  # a 4D-CT phase, as scanners mark it: radiotherapy contours on such series
+        ds.ImageType = ["DERIVED", "SECONDARY", "AXIAL"]
     made["C"] = {"study": generate_uid()}
     made["C"]["ct"] = as_new_series(made["A"]["ct"][:4], 2, "4 slices", study=made["C"]["study"])
     client = admin(orthanc)
@@ -657,7 +600,7 @@ def test_the_report_names_the_chosen_series_the_alternatives_and_each_failed_stu
     assert "2 images, fewer than series_rules#min_slices" in reasons[studies["B"]["scout"][0].SeriesInstanceUID]
     c = cases[f"PAT-C_{RUN_DATE}"]
     assert c["status"] == "failed" and c["stage"] == "check" and "no usable CT series" in c["reason"]
-    assert "4 images, fewer than series_rules#min_slices (20)" in c["reason"]
+    assert "4 images, fewer than series_rules#min_slices (10)" in c["reason"]
     missing = cases["1.2.3.4.5.6.7.999"]
     assert missing["stage"] == "check" and "not found on" in missing["reason"]
     assert result.returncode == 1 and "2 case(s) failed" in result.stderr
@@ -677,6 +620,7 @@ def test_by_query_a_study_already_done_is_skipped_a_refused_store_fails_alone_an
     assert d["status"] == "failed" and d["stage"] == "store" and "HTTP 403" in d["reason"], d
     assert f"/studies/{studies['D']['study']}" in d["reason"] and "a new run stores them" in d["reason"]
     assert (tmp / "out" / f"PAT-D_{RUN_DATE}" / f"PAT-D_{RUN_DATE}_seg.dcm").is_file(), "the results stay on disk"
+    assert "ImageType AXIAL/DERIVED/SECONDARY" in d["series"]["note"], "D, a 4D-CT phase, is inferred, and noted"
     assert e["status"] == "done" and e["store"]["status"] == "stored"
     assert "connection was cut during the transfer" in result.stdout + result.stderr
     assert cases[f"PAT-C_{RUN_DATE}"]["stage"] == "check"

@@ -142,3 +142,22 @@ def test_csv_text_has_the_header_in_order_and_floats_to_six_digits():
     text = csv_text([{"case_id": "A", "dice": 0.123456789, "voxels": 12}], ["case_id", "dice", "voxels"])
     assert text == "case_id,dice,voxels\nA,0.123457,12\n"
     assert csv_text([], ["case_id"]) == "case_id\n"
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("LUNG1-001", "LUNG1-001"), ("Ünïcødé/../pat\\ient", "Ünïcødé_pat_ient"), ("..", "case"), (".hidden", "hidden"),
+     ("a b\tc", "a_b_c"), ("1.2.840.1", "1.2.840.1"), ("张伟" * 40, "张伟" * 21)],
+)  # fmt: skip
+def test_safe_names_carry_any_script_and_never_a_path(text, expected):
+    from scripts.files import safe_name
+
+    assert safe_name(text) == expected
+    assert len(safe_name(text).encode("utf-8")) <= 128 and "/" not in safe_name(text)
+
+
+def test_unique_names_count_on_from_two():
+    from scripts.files import unique_name
+
+    taken: set[str] = set()
+    assert [unique_name(n, taken) for n in ("a", "a", "b", "a")] == ["a", "a_2", "b", "a_3"]

@@ -4,11 +4,18 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
+import nibabel as nib
 import numpy as np
+import pydicom
 import pytest
+from conftest import SMALL_SHAPE
 from dicom_factory import uneven_series, write_series
+from pydicom.uid import generate_uid
 from scripts.inputs import InferenceInputError, LoadCased, find_inputs, slice_map_of
+
+STUDY_DATE = "20260101"  # the synthetic writer's
 
 
 def tcia_tree(small_cases, root, patients):
@@ -19,15 +26,48 @@ def tcia_tree(small_cases, root, patients):
     return root
 
 
-def test_case_ids_follow_the_tcia_tree_and_file_names(small_cases, tmp_path):
-    tcia_tree(small_cases, tmp_path, [("P1", "1.0"), ("P2", "1.0"), ("P2", "2.0")])
-    (tmp_path / "extra").mkdir()
-    import nibabel as nib
+def as_other_study(folder: Path, dest: Path, date: str, image_type: list[str] | None = None) -> None:
+    """The series in ``folder`` copied to ``dest`` as a series of another study (new UIDs), dated ``date``."""
+    series, study = generate_uid(), generate_uid()
+    dest.mkdir(parents=True)
+    for path in sorted(folder.glob("*.dcm")):
+        ds = pydicom.dcmread(path)
+        ds.StudyInstanceUID, ds.SeriesInstanceUID, ds.StudyDate = study, series, date
+        ds.SOPInstanceUID = ds.file_meta.MediaStorageSOPInstanceUID = generate_uid()
+        if image_type:
+            ds.ImageType = image_type
+        ds.save_as(dest / path.name)
 
+
+def test_cases_are_named_by_patient_and_study_from_the_headers_and_nifti_by_file_name(small_cases, tmp_path):
+    """Folder names do not matter: two patients in one flat folder, one of them with a second study (dated), a
+    series two folders deep, and a NIfTI file."""
+    _, truths = small_cases
+    flat = tmp_path / "export"
+    flat.mkdir()
+    for truth in truths[:2]:
+        for path in Path(truth["image_dir"]).glob("*.dcm"):
+            shutil.copy(path, flat / pydicom.dcmread(path, stop_before_pixels=True).SOPInstanceUID)  # UID-named
+    as_other_study(Path(truths[0]["image_dir"]), tmp_path / "a" / "b", "20250102")
+    shutil.copytree(truths[2]["image_dir"], tmp_path / "deep" / "x" / "y")
+    (tmp_path / "extra").mkdir()
     nib.save(nib.Nifti1Image(np.zeros((8, 8, 8), np.int16), np.eye(4)), tmp_path / "extra" / "scan.nii.gz")
-    cases = find_inputs(tmp_path)
-    assert sorted(c["case_id"] for c in cases) == ["P1", "P2_1.0", "P2_2.0", "scan"]
-    assert {c["source"] for c in cases} == {"dicom", "nifti"}
+    cases = {c["case_id"]: c for c in find_inputs(tmp_path)}
+    first, second, third = (t["patient_id"] for t in truths[:3])
+    assert sorted(cases) == sorted([f"{first}_20250102", f"{first}_{STUDY_DATE}", second, third, "scan"])
+    assert {c["source"] for c in cases.values()} == {"dicom", "nifti"}
+    assert cases[second]["image"] == str(flat) and len(cases[second]["slice_paths"]) == SMALL_SHAPE[2]
+    assert cases[second]["series_uid"] == truths[1]["ct_series_uid"]
+
+
+def test_a_secondary_axial_series_is_inferred_when_it_is_the_best_its_study_has(small_cases, tmp_path):
+    """A 4D-CT phase (DERIVED\\SECONDARY\\AXIAL), as a PACS would give it, is a case from a folder too, noted."""
+    _, truths = small_cases
+    as_other_study(Path(truths[0]["image_dir"]), tmp_path / "phase", "20250102", ["DERIVED", "SECONDARY", "AXIAL"])
+    (case,) = find_inputs(tmp_path, report_dir=tmp_path / "out")
+    assert "the study has no ORIGINAL series" in case["notes"][0]
+    report = json.loads((tmp_path / "out" / "inference_report.json").read_text())
+    assert "SECONDARY" in report["cases"][0]["series"]["note"] and "slice_paths" not in report["cases"][0]
 
 
 def test_a_series_folder_given_directly_is_one_case(small_cases):
@@ -51,10 +91,11 @@ def test_a_series_with_a_missing_slice_fails_its_check_with_the_reason_and_the_o
     headers, _ = scan_ct_series(tmp_path / "P2" / "1" / "image")
     headers[len(headers) // 2][0].unlink()  # a slice in the middle of the volume
     cases = find_inputs(tmp_path, report_dir=tmp_path / "out")
-    assert [c["case_id"] for c in cases] == ["P1"]
+    truths = small_cases[1]
+    assert [c["case_id"] for c in cases] == [truths[0]["patient_id"]]
     report = json.loads((tmp_path / "out" / "inference_report.json").read_text())
     (failed,) = [c for c in report["cases"] if c["status"] == "failed"]
-    assert failed["case_id"] == "P2" and failed["stage"] == "check"
+    assert failed["case_id"] == truths[1]["patient_id"] and failed["stage"] == "check"
     assert "missing slice" in failed["reason"] and "download the series again" in failed["reason"]
     assert report["skipped"] == [], "a broken series is a failed case, not an input that is no case"
 

@@ -125,6 +125,40 @@ def test_dicom_input_also_gets_a_seg_with_the_same_voxels(tmp_path, dicom_case):
     assert seg.FrameOfReferenceUID == truth["frame_of_reference_uid"]
 
 
+#: what an anonymised CT slice must keep: Type 1 attributes of the CT Image IOD (and File Meta) -- every Type 2 and
+#: Type 3 attribute goes (an anonymiser that deletes Type 2 attributes instead of emptying them, as real archives do)
+TYPE_1 = {"SOPClassUID", "SOPInstanceUID", "StudyInstanceUID", "SeriesInstanceUID", "Modality", "FrameOfReferenceUID",
+          "ImageOrientationPatient", "ImagePositionPatient", "PixelSpacing", "ImageType", "SamplesPerPixel",
+          "PhotometricInterpretation", "Rows", "Columns", "BitsAllocated", "BitsStored", "HighBit",
+          "PixelRepresentation", "RescaleIntercept", "RescaleSlope", "PixelData"}  # fmt: skip
+
+
+def test_a_ct_stripped_of_every_type_2_and_3_attribute_still_gets_seg_rtstruct_and_sr(tmp_path, dicom_case):
+    """As real anonymised series are shared: no PatientBirthDate, PatientSex, StudyID, AccessionNumber, names,
+    dates, SeriesNumber, InstanceNumber... Every object is still written, and passes dciodvfy when it is installed."""
+    truth, _, labels = dicom_case
+    stripped = tmp_path / "anonymised"
+    stripped.mkdir()
+    for path in Path(truth["image_dir"]).glob("*.dcm"):
+        ds = pydicom.dcmread(path)
+        for element in list(ds):
+            if element.keyword not in TYPE_1:
+                del ds[element.tag]
+        ds.save_as(stripped / path.name, enforce_file_format=True)
+    assert "PatientBirthDate" not in pydicom.dcmread(next(stripped.iterdir()))
+    data = {"case_id": "anon", "pred": prediction(labels), "source": "dicom", "source_path": str(stripped)}
+    out = SaveCased("pred", tmp_path / "out", LABELS, write_rtstruct=True, write_sr=True, write_report=True)(data)
+    files = out["pred_files"]
+    assert {"dicom_seg", "rtstruct", "sr"} <= set(files), files
+    seg = hd.seg.segread(files["dicom_seg"])
+    assert seg.PatientID == "" and seg.StudyInstanceUID == truth["study_uid"] and "PatientBirthDate" in seg
+    if shutil.which("dciodvfy"):
+        for kind in ("dicom_seg", "rtstruct", "sr"):
+            result = subprocess.run(["dciodvfy", files[kind]], capture_output=True, text=True, timeout=60)
+            errors = [line for line in (result.stdout + result.stderr).splitlines() if line.startswith("Error")]
+            assert errors == [], (kind, errors)
+
+
 @pytest.mark.parametrize(("write_seg", "source"), [(False, "dicom"), (True, "nifti")])
 def test_no_seg_unless_asked_for_and_the_input_is_dicom(tmp_path, dicom_case, write_seg, source):
     truth, _, labels = dicom_case

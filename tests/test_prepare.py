@@ -40,10 +40,10 @@ def messy_dataset(tmp_path_factory) -> tuple[Path, dict]:
     for i, pid in enumerate(["LUNG1-001", "LUNG1-002", "LUNG1-003"]):  # the third stored rotated by 180 degrees
         truths[pid] = write_case(root, pid, seed=300 + i, shape=SHAPE, flip_in_plane=pid == "LUNG1-003")
     bad = {}
-    # no seg folder
+    # no annotation
     t = write_case(root, "BAD-NOSEG", seed=1, shape=SHAPE)
     shutil.rmtree(Path(t["seg_file"]).parent)
-    bad["BAD-NOSEG"] = "no seg folder"
+    bad["BAD-NOSEG"] = "no SEG or RTSTRUCT"
     # SEG without a GTV segment
     write_case(root, "BAD-NOGTV", seed=2, shape=SHAPE, segments=["Lung-Left", "Lung-Right", "Heart"])
     bad["BAD-NOGTV"] = "no segment matches label 'GTV-1'"
@@ -55,10 +55,11 @@ def messy_dataset(tmp_path_factory) -> tuple[Path, dict]:
     victim = slice_by_z(Path(t["image_dir"]), 4)
     victim.write_bytes(victim.read_bytes()[:300])
     bad["BAD-CORRUPT"] = victim.name
-    # two series mixed in one image folder
-    t = write_case(root, "BAD-MIXED", seed=5, shape=SHAPE)
+    # a slice of another patient's series copied into this case's folder: sorted by its header into its own series,
+    # where it is a second copy of an instance (read once, noted); both cases are prepared
+    t = write_case(root, "MIXED", seed=5, shape=SHAPE)
     shutil.copy(slice_by_z(Path(truths["LUNG1-001"]["image_dir"]), 0), Path(t["image_dir"]) / "zz-other.dcm")
-    bad["BAD-MIXED"] = "2 series are mixed"
+    truths["MIXED"] = t
     # a missing slice
     t = write_case(root, "BAD-GAP", seed=6, shape=SHAPE)
     slice_by_z(Path(t["image_dir"]), 10).unlink()
@@ -101,11 +102,14 @@ def test_every_bad_case_is_reported_with_its_reason_and_the_good_ones_are_prepar
 
 
 def test_a_flipped_orientation_is_kept_and_noted(prepared):
-    """The rotated case is prepared (its world-coordinate check is in the next test) and named in the report."""
+    """The rotated case is prepared (its world-coordinate check is in the next test) and named in the report, and so is
+    the case whose slice was also copied into another patient's folder."""
     out, report, _ = prepared
     saved = json.loads((out / "prepare_report.json").read_text())
-    assert [n["case_id"] for n in saved["noted"]] == ["LUNG1-003"]
-    assert "RAS orientation, not the usual LPS" in saved["noted"][0]["notes"][0]
+    notes = {n["case_id"]: " ".join(n["notes"]) for n in saved["noted"]}
+    assert sorted(notes) == ["LUNG1-001", "LUNG1-003"]
+    assert "RAS orientation, not the usual LPS" in notes["LUNG1-003"]
+    assert "MIXED/" in notes["LUNG1-001"] and "zz-other.dcm holds the same instance" in notes["LUNG1-001"]
     orientation = {r["case_id"]: r.get("orientation") for r in report["cases"]}
     assert orientation["LUNG1-001"] == "LPS" and orientation["LUNG1-003"] == "RAS"
 
@@ -161,6 +165,7 @@ def test_second_run_skips_up_to_date_cases_and_rewrites_nothing(prepared, messy_
     root, _ = messy_dataset
     before = {p: p.stat().st_mtime_ns for p in (out / "images").glob("*.nii")}
     assert len(before) == len(info["truths"])
+    assert (out / "dicom_index.json").is_file(), "the headers read are kept for the next run"
     report = prepare(root, out, labels=["GTV-1"], num_workers=1, progress=False)
     assert report["num_prepared"] == 0 and report["num_up_to_date"] == len(info["truths"])
     assert {p: p.stat().st_mtime_ns for p in (out / "images").glob("*.nii")} == before
@@ -190,8 +195,12 @@ def test_tcia_dataset_raw_folder_is_ignored(small_cases, tmp_path):
     root, truths = small_cases
     copy = tmp_path / "tcia"
     shutil.copytree(root / COLLECTION, copy / COLLECTION)
-    (copy / COLLECTION / "raw" / "1.2.3").mkdir(parents=True)  # TciaDataset keeps the SEG download here
-    assert [c["case_id"] for c in find_cases(copy)] == sorted(t["patient_id"] for t in truths)
+    raw = copy / COLLECTION / "raw" / "1.2.3"  # TciaDataset keeps the SEG download here: copies of the SEGs
+    raw.mkdir(parents=True)
+    shutil.copy(truths[0]["seg_file"], raw / "1-1.dcm")
+    found = find_cases(copy)
+    assert [c["case_id"] for c in found["cases"]] == sorted(t["patient_id"] for t in truths)
+    assert found["cases"][0]["annotation"]["file"] == str(copy / Path(truths[0]["seg_file"]).relative_to(root))
 
 
 def test_cli_prepares_and_reports(small_cases, tmp_path, root):
@@ -242,8 +251,9 @@ def realworld(tmp_path_factory):
         "JPEG-LOSSLESS": Series(patient_id="JPEG-LOSSLESS"),
         "STALE-SLICE": Series(patient_id="STALE-SLICE"),
         "STALE-SEG": Series(patient_id="STALE-SEG"),
-        "L" * 200: Series(patient_id="LONG"),
-        "X" * 245: Series(patient_id="TOO-LONG"),
+        "L" * 200: Series(patient_id="LONG-FOLDER"),
+        "X" * 245: Series(patient_id="LONGER-FOLDER"),
+        "ANON": Series(patient_id="Ünïcødé/../pat\\ient"),  # a PatientID no file name can carry as it is
     }
     for name, series in cases.items():
         write_factory_case(series, coll / name / "300")
@@ -278,19 +288,17 @@ def records_of(report: dict) -> dict:
     return {r["case_id"]: r for r in report["cases"]}
 
 
-def test_a_folder_name_that_is_not_utf8_is_refused_and_the_run_completes(realworld):
-    _, out, report, _, not_utf8 = realworld
-    record = records_of(report)[not_utf8]
-    assert record["status"] == "rejected" and "not valid UTF-8" in record["reason"] and "caf\\xe9" in record["reason"]
-    datalist = json.loads((out / "datalist.json").read_text())
-    assert "GOOD" in {d["case_id"] for part in ("training", "validation", "test") for d in datalist[part]}
-
-
-def test_long_names_work_and_names_too_long_for_the_outputs_are_refused(realworld):
+def test_folder_names_do_not_name_cases_and_a_patient_id_is_made_safe_for_file_names(realworld):
+    """Cases are named by their PatientID: a folder named in Latin-1 (old Windows exports) or too long for the outputs'
+    names changes nothing; a PatientID with slashes or dots becomes a safe file name, in any script."""
     _, out, report, _, _ = realworld
     records = records_of(report)
-    assert records["L" * 200]["status"] == "prepared" and (out / "labels" / f"{'L' * 200}.nii.gz").is_file()
-    assert records["X" * 245]["status"] == "rejected" and "255-byte limit" in records["X" * 245]["reason"]
+    for case_id in ("LATIN1", "LONG-FOLDER", "LONGER-FOLDER", "Ünïcødé_pat_ient"):
+        assert records[case_id]["status"] == "prepared", records[case_id].get("reason")
+        assert (out / "labels" / f"{case_id}.nii.gz").is_file()
+    assert records["Ünïcødé_pat_ient"]["patient_id"] == "Ünïcødé/../pat\\ient"
+    datalist = json.loads((out / "datalist.json").read_text())
+    assert "GOOD" in {d["case_id"] for part in ("training", "validation", "test") for d in datalist[part]}
     assert not list(out.rglob(".tmp-*")), "no temporary file left"
 
 
@@ -364,7 +372,7 @@ def test_cases_prepared_from_their_rtstructs_get_the_labels_of_their_segs(tmp_pa
     from_seg = prepare(tmp_path / "data", tmp_path / "seg", num_workers=1, progress=False, label_source="seg")
     from_rt = prepare(tmp_path / "data", tmp_path / "rt", num_workers=1, progress=False, label_source="rtstruct")
     assert from_seg["num_prepared"] == from_rt["num_prepared"] == len(truths)
-    assert {r["annotation"].split("/")[0] for r in from_rt["cases"]} == {"rtstruct"}
+    assert {r["annotation"]["kind"] for r in from_rt["cases"]} == {"rtstruct"}
     for truth in truths:
         name = f"{truth['patient_id']}.nii.gz"
         seg = np.asarray(nib.load(tmp_path / "seg" / "labels" / name).dataobj) == 1
@@ -377,13 +385,15 @@ def test_auto_takes_the_seg_and_falls_back_to_the_rtstruct(tmp_path):
     truth = write_case(tmp_path / "data", "LUNG1-001", seed=7, shape=(64, 64, 16), rtstruct=True)
     shutil.rmtree(Path(truth["seg_file"]).parent)
     report = prepare(tmp_path / "data", tmp_path / "out", num_workers=1, progress=False)
-    assert report["num_prepared"] == 1 and report["cases"][0]["annotation"].startswith("rtstruct/")
+    assert report["num_prepared"] == 1 and report["cases"][0]["annotation"]["file"] == truth["rtstruct_file"]
 
 
 def test_an_interrupt_stops_at_the_cases_in_hand(tmp_path, monkeypatch):
     """Ctrl-C while two cases are in flight: the run stops there instead of converting every queued case first."""
-    for i in range(12):
-        (tmp_path / "NSCLC-Radiomics" / f"P{i:02d}" / "1").mkdir(parents=True)
+    cases = [{"case_id": f"P{i:02d}", "patient_id": f"P{i:02d}", "fingerprint": ""} for i in range(12)]
+    monkeypatch.setattr(
+        scripts.prepare, "find_cases", lambda *a: {"cases": cases, "rejected": [], "root": "", "skipped": {}}
+    )
     started = []
 
     def interrupted(case, *args):

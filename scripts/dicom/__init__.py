@@ -5,17 +5,19 @@
 * :mod:`~scripts.dicom.seg` -- a DICOM SEG -> label volume on that CT's grid (sparse SEGs, tolerant names);
 * :mod:`~scripts.dicom.rtstruct` -- an RTSTRUCT -> label volume on that CT's grid (contours rasterised in world mm);
 * :mod:`~scripts.dicom.case` -- both together, as ``scripts.prepare`` writes them;
+* :mod:`~scripts.dicom.discovery` -- which cases a folder holds, from the files' headers, in any layout;
+* :mod:`~scripts.dicom.series_rules` -- which CT series of a study is the case's CT (folders and PACS alike);
 * :mod:`~scripts.dicom.codes` -- how structures are coded when the bundle writes DICOM.
 
 Problems raise :class:`DicomCaseError` with a message that names the file and says what to do.
 """
 
-from scripts.dicom.case import LABEL_SOURCES, CaseVolumes, find_annotation, read_case
+from scripts.dicom.case import LABEL_SOURCES, CaseVolumes, read_case
 from scripts.dicom.codes import segment_description
 from scripts.dicom.common import LPS_TO_RAS, RTSTRUCT_STORAGE, SEG_STORAGE, DicomCaseError
-from scripts.dicom.ct import CtSeries, SliceMap, read_ct_series, scan_ct_series, to_hu
-from scripts.dicom.rtstruct import find_rtstruct_file, is_rtstruct, read_rtstruct_labels
-from scripts.dicom.seg import find_seg_file, read_seg_labels
+from scripts.dicom.ct import CtSeries, SeriesSource, SliceMap, read_ct_series, scan_ct_series, to_hu
+from scripts.dicom.rtstruct import is_rtstruct, read_rtstruct_labels
+from scripts.dicom.seg import read_seg_labels
 
 __all__ = [
     "LABEL_SOURCES",
@@ -25,10 +27,8 @@ __all__ = [
     "CaseVolumes",
     "CtSeries",
     "DicomCaseError",
+    "SeriesSource",
     "SliceMap",
-    "find_annotation",
-    "find_rtstruct_file",
-    "find_seg_file",
     "is_rtstruct",
     "read_case",
     "read_ct_series",

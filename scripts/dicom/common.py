@@ -28,24 +28,6 @@ def sop_class_of(path: Path) -> str:
     return str(ds.get("SOPClassUID", "") or getattr(ds.get("file_meta"), "MediaStorageSOPClassUID", "") or "")
 
 
-def find_single(folder: str | Path, sop_class: str, kind: str) -> Path:
-    """The one ``kind`` object (by SOP Class, whatever the file names) in ``folder``; other files beside it (another
-    kind of annotation, a DICOMDIR, notes) are ignored. :class:`DicomCaseError` when there is none or several."""
-    folder = Path(folder)
-    if not folder.is_dir():
-        raise DicomCaseError(f"{folder}: no {folder.name} folder; this case has no {kind} to read labels from.")
-    files = sorted(p for p in folder.iterdir() if p.is_file() and not p.name.startswith("."))
-    found = [p for p in files if sop_class_of(p) == sop_class]
-    if not found:
-        named = [p.name for p in files if p.suffix.lower() == ".dcm"]
-        detail = f" ({', '.join(named[:5])} are not {kind} objects)" if named else ""
-        raise DicomCaseError(f"{folder}: holds no {kind}{detail}; download the case again.")
-    if len(found) > 1:
-        names = ", ".join(p.name for p in found)
-        raise DicomCaseError(f"{folder}: {len(found)} {kind} objects ({names}), expected one; keep the one to use.")
-    return found[0]
-
-
 def match_numbers(
     available: dict[int, str], labels: Sequence[str], path: Path, item: str, holder: str
 ) -> dict[str, list[int]]:

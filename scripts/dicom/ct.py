@@ -48,7 +48,9 @@ noted. ``PixelPaddingValue`` voxels (outside the scanner's field of view) become
 from __future__ import annotations
 
 import logging
+import os
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -86,6 +88,8 @@ REQUIRED_CT_TAGS = (
 RESCALE_TAGS = ("RescaleSlope", "RescaleIntercept")
 #: transfer syntaxes whose pixel data pydicom hands over as the plain little-endian values (deflate is inflated on read)
 NATIVE_LITTLE_ENDIAN = ("1.2.840.10008.1.2", "1.2.840.10008.1.2.1", "1.2.840.10008.1.2.1.99")
+#: a CT series given as its folder, or as the list of its files (a series found by its headers in any layout)
+SeriesSource = str | Path | Sequence[str | Path]
 
 
 @dataclass(frozen=True)
@@ -148,28 +152,30 @@ class CtSeries:
 
 
 def scan_ct_series(
-    image_dir: str | Path, with_pixels: bool = False, notes: list[str] | None = None, resample: bool = False
+    image_dir: SeriesSource, with_pixels: bool = False, notes: list[str] | None = None, resample: bool = False
 ) -> tuple[list[tuple[Path, pydicom.Dataset]], np.ndarray]:
-    """The headers of a CT series folder sorted along the slice normal, and its LPS affine.
+    """The headers of a CT series -- a folder, or its files as :mod:`scripts.dicom.discovery` found them -- sorted
+    along the slice normal, and its LPS affine.
 
     Pixel data is not read unless ``with_pixels`` (then each file is read once, its pixels still undecoded). What
     was skipped or kept with a remark is appended to ``notes``. A series at uneven spacing or with a gantry tilt is
     refused unless ``resample`` (see the module docstring); then the affine is that of the equal-step grid
     :func:`read_ct_series` puts it on, and the headers are still every slice as acquired.
     """
-    headers, affine, _ = _scan(Path(image_dir), with_pixels, [] if notes is None else notes, resample)
+    headers, affine, _ = _scan(image_dir, with_pixels, [] if notes is None else notes, resample)
     return headers, affine
 
 
-def read_ct_series(image_dir: str | Path, resample: bool = False) -> CtSeries:
-    """Read every CT slice in ``image_dir`` as one series, sorted by position along the slice normal.
+def read_ct_series(image_dir: SeriesSource, resample: bool = False) -> CtSeries:
+    """Read every CT slice in ``image_dir`` (a folder, or the series' files) as one series, sorted by position along
+    the slice normal.
 
     The checks of :func:`scan_ct_series`, then stored values converted to HU with each slice's rescale
     slope/intercept, padding set to air. ``resample``: a series at uneven spacing or with a gantry tilt is put on an
     equal-step orthogonal grid (:attr:`CtSeries.slices` maps it back; see the module docstring) instead of refused.
     """
     notes: list[str] = []
-    headers, affine, slices = _scan(Path(image_dir), True, notes, resample)  # every file read once
+    headers, affine, slices = _scan(image_dir, True, notes, resample)  # every file read once
     ds0 = headers[0][1]
     # slices contiguous in memory: (columns, rows, slices) seen through a transpose of (slices, rows, columns), i.e.
     # Fortran order -- what NIfTI stores, so writing it is a plain copy
@@ -282,9 +288,24 @@ def decode(path: Path, ds: pydicom.Dataset) -> np.ndarray:
         ) from err
 
 
-def _read_headers(image_dir: Path, with_pixels: bool, notes: list[str]) -> list[tuple[Path, pydicom.Dataset]]:
-    """The CT slices of the folder; every other file is skipped by what it is (noted), a damaged one refused."""
-    files = sorted(p for p in image_dir.iterdir() if p.is_file() and not p.name.startswith("."))
+def series_paths(source: SeriesSource) -> tuple[list[Path], Path]:
+    """The files of a series source (a folder's visible files, or the list given) and the folder that error messages
+    name (the folder, or the one holding every file of the list)."""
+    if isinstance(source, str | Path):
+        folder = Path(source)
+        return sorted(p for p in folder.iterdir() if p.is_file() and not p.name.startswith(".")), folder
+    files = sorted(Path(p) for p in source)
+    if not files:
+        raise DicomCaseError("an empty list of CT files was given: nothing to read.")
+    return files, Path(os.path.commonpath([str(p.parent) for p in files]))
+
+
+def _read_headers(
+    source: SeriesSource, with_pixels: bool, notes: list[str]
+) -> tuple[list[tuple[Path, pydicom.Dataset]], Path]:
+    """The CT slices of the folder (or list) and the folder messages name; every other file is skipped by what it is
+    (noted), a damaged one refused."""
+    files, image_dir = series_paths(source)
     headers, skipped = [], []
     for path in files:
         ds = _read_dicom(path, with_pixels)
@@ -311,7 +332,7 @@ def _read_headers(image_dir: Path, with_pixels: bool, notes: list[str]) -> list[
     if not headers:
         detail = f" (only {', '.join(skipped[:5])})" if skipped else ""
         raise DicomCaseError(f"{image_dir}: no CT slices in the image folder{detail}; download the case again.")
-    return headers
+    return headers, image_dir
 
 
 def _read_dicom(path: Path, with_pixels: bool) -> pydicom.Dataset | None:
@@ -369,10 +390,10 @@ def _check_one_volume(headers: list[tuple[Path, pydicom.Dataset]], image_dir: Pa
 
 
 def _scan(
-    image_dir: Path, with_pixels: bool, notes: list[str], resample: bool
+    source: SeriesSource, with_pixels: bool, notes: list[str], resample: bool
 ) -> tuple[list[tuple[Path, pydicom.Dataset]], np.ndarray, SliceMap | None]:
     """:func:`scan_ct_series`, and where the slices lie on the equal-step grid when the series is resampled."""
-    headers = _read_headers(image_dir, with_pixels, notes)
+    headers, image_dir = _read_headers(source, with_pixels, notes)
     _check_one_volume(headers, image_dir)
     iop = np.asarray(headers[0][1].ImageOrientationPatient, dtype=float)
     normal = np.cross(iop[:3], iop[3:])

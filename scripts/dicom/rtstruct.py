@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 import pydicom
-from scripts.dicom.common import RTSTRUCT_STORAGE, DicomCaseError, find_single, match_numbers
+from scripts.dicom.common import RTSTRUCT_STORAGE, DicomCaseError, match_numbers
 from scripts.dicom.ct import SLICE_TOLERANCE, CtSeries
 from skimage.draw import polygon
 from skimage.measure import points_in_poly
@@ -46,11 +46,6 @@ def is_rtstruct(path: str | Path) -> bool:
     except Exception:  # not DICOM, truncated, a folder, ...: simply not an RTSTRUCT
         return False
     return str(ds.get("SOPClassUID", "")) == RTSTRUCT_STORAGE
-
-
-def find_rtstruct_file(rtstruct_dir: str | Path) -> Path:
-    """The single RTSTRUCT in a case's ``rtstruct`` folder, found by SOP Class whatever the file names."""
-    return find_single(rtstruct_dir, RTSTRUCT_STORAGE, "RTSTRUCT")
 
 
 def read_rtstruct_labels(rtstruct_file: str | Path, ct: CtSeries, labels: Sequence[str]) -> tuple[np.ndarray, dict]:

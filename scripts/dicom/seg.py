@@ -23,7 +23,7 @@ import numpy as np
 import pydicom
 from pydicom.datadict import dictionary_VR
 from pydicom.dataelem import RawDataElement
-from scripts.dicom.common import SEG_STORAGE, DicomCaseError, find_single, match_numbers
+from scripts.dicom.common import SEG_STORAGE, DicomCaseError, match_numbers
 from scripts.dicom.ct import SLICE_TOLERANCE, CtSeries
 
 
@@ -78,11 +78,6 @@ def read_seg_labels(seg_file: str | Path, ct: CtSeries, labels: Sequence[str]) -
         label[:, :, k][mask.T] = index + 1
     names = {label_name: [segments[n] for n in nums] for label_name, nums in by_label.items()}
     return label, names
-
-
-def find_seg_file(seg_dir: str | Path) -> Path:
-    """The single DICOM SEG in a case's ``seg`` folder, found by SOP Class whatever the file names."""
-    return find_single(seg_dir, SEG_STORAGE, "DICOM SEG")
 
 
 def _read_seg(seg_file: Path) -> pydicom.Dataset:

@@ -31,10 +31,10 @@ import pydicom
 from pydicom.dataset import Dataset, FileMetaDataset
 from pydicom.sr.codedict import codes
 from pydicom.uid import ExplicitVRLittleEndian
-from scripts.dicom import RTSTRUCT_STORAGE, scan_ct_series, segment_description
+from scripts.dicom import RTSTRUCT_STORAGE, SeriesSource, scan_ct_series, segment_description
 from scripts.files import replace_atomically
 from scripts.labels import normalize_name
-from scripts.writers.seg import ALGORITHM_NAME, MANUFACTURER, algorithm_identification
+from scripts.writers.seg import ALGORITHM_NAME, MANUFACTURER, PATIENT_STUDY_TYPE_2, algorithm_identification
 from skimage.measure import find_contours
 
 logger = logging.getLogger(__name__)
@@ -50,7 +50,7 @@ SERIES_NUMBER_OFFSET = 9100  # the SEG takes the CT's series number + 9000
 
 
 def write_rtstruct(
-    labels: np.ndarray, image_dir: str | Path, names: Sequence[str], path: str | Path, algorithm_version: str
+    labels: np.ndarray, image_dir: SeriesSource, names: Sequence[str], path: str | Path, algorithm_version: str
 ) -> pydicom.Dataset:
     """An RTSTRUCT of the label map ``labels`` [X, Y, Z] (on the slices of the series in ``image_dir``), ROI ``i`` =
     ``names[i - 1]``, written atomically to ``path`` and returned."""
@@ -110,11 +110,9 @@ def _structure_set(slices: list[Dataset], algorithm_version: str) -> Dataset:
     ds.file_meta.TransferSyntaxUID = ExplicitVRLittleEndian
     ds.SpecificCharacterSet = ct.get("SpecificCharacterSet", "ISO_IR 100")
     ds.InstanceCreationDate, ds.InstanceCreationTime = now.strftime("%Y%m%d"), now.strftime("%H%M%S")
-    for key in ("PatientName", "PatientID", "PatientBirthDate", "PatientSex", "StudyInstanceUID", "StudyDate",
-                "StudyTime", "ReferringPhysicianName", "StudyID", "AccessionNumber"):  # fmt: skip
+    for key in ("StudyInstanceUID", *PATIENT_STUDY_TYPE_2):
         setattr(ds, key, ct.get(key, ""))
     ds.FrameOfReferenceUID = ct.FrameOfReferenceUID
-    ds.PositionReferenceIndicator = ct.get("PositionReferenceIndicator", "")
     ds.Modality, ds.SeriesInstanceUID = "RTSTRUCT", hd.UID()
     ds.SeriesNumber = int(ct.get("SeriesNumber", 0) or 0) + SERIES_NUMBER_OFFSET
     ds.SeriesDescription, ds.OperatorsName = f"{ALGORITHM_NAME} structures", ""

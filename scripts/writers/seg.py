@@ -8,12 +8,29 @@ from pathlib import Path
 
 import highdicom as hd
 import numpy as np
+import pydicom
 from pydicom.sr.codedict import codes
-from scripts.dicom import scan_ct_series, segment_description
+from scripts.dicom import SeriesSource, scan_ct_series, segment_description
 from scripts.files import replace_atomically
 
 ALGORITHM_NAME = "SwinUNETR NSCLC-Radiomics bundle"
 MANUFACTURER = "NSCLC SwinUNETR bundle"
+
+
+#: Type 2 attributes of the Patient, General Study and Frame of Reference modules that every object we write carries
+#: (highdicom copies them from the source CT): present, empty when unknown, as the standard allows
+PATIENT_STUDY_TYPE_2 = ("PatientName", "PatientID", "PatientBirthDate", "PatientSex", "StudyDate", "StudyTime")
+PATIENT_STUDY_TYPE_2 += ("ReferringPhysicianName", "StudyID", "AccessionNumber", "PositionReferenceIndicator")
+
+
+def with_type_2(slices: Sequence[pydicom.Dataset]) -> list[pydicom.Dataset]:
+    """``slices`` with every attribute of :data:`PATIENT_STUDY_TYPE_2` that a source CT lacks (anonymisers delete
+    them, although Type 2 asks for them present) added empty, so the objects written from them are complete."""
+    for ds in slices:
+        for keyword in PATIENT_STUDY_TYPE_2:
+            if keyword not in ds:
+                setattr(ds, keyword, "")
+    return list(slices)
 
 
 def algorithm_identification(version: str) -> hd.AlgorithmIdentificationSequence:
@@ -25,7 +42,7 @@ def algorithm_identification(version: str) -> hd.AlgorithmIdentificationSequence
 
 def write_dicom_seg(
     labels: np.ndarray,
-    image_dir: str | Path,
+    image_dir: SeriesSource,
     names: Sequence[str],
     path: str | Path,
     algorithm: hd.AlgorithmIdentificationSequence,
@@ -37,10 +54,15 @@ def write_dicom_seg(
     Frame ``k`` annotates the ``k``-th slice along the slice normal, the order :func:`scan_ct_series` sorts by, so
     every frame references the CT instance it lies on. Segment ``i`` is ``names[i - 1]``; empty frames are omitted.
     """
-    headers, _ = scan_ct_series(image_dir, resample=True)  # every slice as acquired, whatever its spacing
+    headers, affine = scan_ct_series(image_dir, resample=True)  # every slice as acquired, whatever its spacing
     if labels.shape != (int(headers[0][1].Columns), int(headers[0][1].Rows), len(headers)):
         raise ValueError(f"{image_dir}: prediction shape {labels.shape} does not match the series' grid.")
-    source = [ds for _, ds in headers]
+    source = with_type_2([ds for _, ds in headers])
+    for (
+        ds
+    ) in source:  # Type 2, deleted by some anonymisers: the SEG's pixel measures need it, as the step between slices
+        if ds.get("SliceThickness") in (None, ""):
+            ds.SliceThickness = round(float(np.linalg.norm(affine[:3, 2])), 6)
     frames = np.ascontiguousarray(labels.transpose(2, 1, 0))  # [slice, row, column], as the CT stores pixels
     seg = hd.seg.Segmentation(
         source_images=source,

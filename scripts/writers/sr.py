@@ -24,10 +24,10 @@ import highdicom as hd
 import numpy as np
 import pydicom
 from pydicom.sr.codedict import codes
-from scripts.dicom import SEG_STORAGE, scan_ct_series, segment_description
+from scripts.dicom import SEG_STORAGE, SeriesSource, scan_ct_series, segment_description
 from scripts.files import replace_atomically
 from scripts.labels import normalize_name
-from scripts.writers.seg import ALGORITHM_NAME, MANUFACTURER
+from scripts.writers.seg import ALGORITHM_NAME, MANUFACTURER, with_type_2
 
 logger = logging.getLogger(__name__)
 
@@ -36,14 +36,18 @@ SERIES_NUMBER_OFFSET = 9200  # the SEG takes the CT's series number + 9000, the 
 
 def write_sr(
     report: dict[str, dict],
-    ct: str | Path | Sequence[pydicom.Dataset],
+    ct: SeriesSource | Sequence[pydicom.Dataset],
     seg: pydicom.Dataset | str | Path | None,
     path: str | Path,
     algorithm_version: str,
 ) -> hd.sr.Comprehensive3DSR:
-    """A TID 1500 measurement report of ``report`` ({structure: measurements}) on the CT series ``ct`` (its folder or
-    its headers), referencing the segments of ``seg`` by name (None: the CT itself), written atomically to ``path``."""
-    slices = [ds for _, ds in scan_ct_series(ct, resample=True)[0]] if isinstance(ct, str | Path) else list(ct)
+    """A TID 1500 measurement report of ``report`` ({structure: measurements}) on the CT series ``ct`` (its folder, its
+    files or its headers), referencing the segments of ``seg`` by name (None: the CT itself), written atomically
+    to ``path``."""
+    given = [ct] if isinstance(ct, str | Path) else list(ct)
+    if not all(isinstance(item, pydicom.Dataset) for item in given):  # a folder or files: read the headers
+        given = [ds for _, ds in scan_ct_series(ct, resample=True)[0]]
+    slices = with_type_2(given)
     seg_ds = pydicom.dcmread(seg, stop_before_pixels=True) if isinstance(seg, str | Path) else seg
     if seg_ds is not None and str(seg_ds.SOPClassUID) != SEG_STORAGE:
         raise ValueError(f"{seg}: not a DICOM SEG (SOP class {seg_ds.SOPClassUID}); pass the SEG or None.")

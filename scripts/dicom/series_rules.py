@@ -1,0 +1,173 @@
+"""Which CT series of a study is the case's CT: one rule for every input (a folder, a PACS over DICOMweb).
+
+A study holds more than the series to segment: a scout (LOCALIZER), coronal and sagittal reformats, thick and thin
+reconstructions, and in radiotherapy 4D-CT phases, their average and MIP (``DERIVED\\SECONDARY\\AXIAL``, which
+treatment planning contours on). :func:`choose_series` takes, among the series that pass :class:`SeriesRules`, an
+ORIGINAL series first (a ``SECONDARY`` one only when it is the best the study has; the choice then says so), then the
+thinnest, then the one with most slices, then the lowest series number; every other series gets the reason it was
+not chosen, for the report.
+
+A series is described (:func:`describe_series`) from its instances' headers in a form both sources give: SOP Class,
+ImageType, ImageOrientationPatient and ImagePositionPatient of each instance (:class:`InstanceHeader`).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from scripts.dicom.ct import CT_IMAGE_STORAGE, ENHANCED_CT_STORAGE
+
+AXIAL_COS = math.cos(math.radians(10))  # a slice normal within 10 degrees of the body axis is axial
+
+
+@dataclass(frozen=True)
+class InstanceHeader:
+    """What the rules read of one instance: its SOP Class UID, ImageType values, orientation (6) and position (3)."""
+
+    sop_class: str
+    image_types: tuple[str, ...] = ()
+    orientation: tuple[float, ...] = ()
+    position: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True)
+class SeriesRules:
+    """How a study's CT series is chosen: among the series of at least ``min_slices`` classic CT images, of
+    ``orientation`` (``axial``: the slice normal within 10 degrees of the body axis; or ``any``), whose
+    SeriesDescription matches the regular expression ``description`` (if given) and whose ImageType has none of
+    ``exclude_image_types``: one whose ImageType holds one of ``prefer_image_types`` (or has no ImageType) first, then
+    the thinnest (smallest step between slice positions), then the one with most slices, then the lowest series
+    number."""
+
+    min_slices: int = 10
+    orientation: str = "axial"
+    description: str | None = None
+    exclude_image_types: tuple[str, ...] = ("LOCALIZER",)
+    prefer_image_types: tuple[str, ...] = ("ORIGINAL",)
+
+    @classmethod
+    def of(cls, rules: Mapping[str, Any] | SeriesRules | None) -> SeriesRules:
+        """Rules from the config's ``series_rules`` mapping (unknown keys refused, naming them)."""
+        if isinstance(rules, SeriesRules):
+            return rules
+        given = dict(rules or {})
+        unknown = set(given) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"series_rules: unknown {sorted(unknown)}; the rules are {list(cls.__dataclass_fields__)}")
+        for key in ("exclude_image_types", "prefer_image_types"):
+            types = given.get(key, getattr(cls, key))
+            given[key] = tuple(t.upper() for t in ((types,) if isinstance(types, str) else types or ()))
+        given["orientation"] = str(given.get("orientation", cls.orientation)).lower()
+        made = cls(**{**given, "min_slices": int(given.get("min_slices", cls.min_slices))})
+        if made.orientation not in ("axial", "any"):
+            raise ValueError(f"series_rules#orientation {made.orientation!r}: choose axial or any.")
+        if made.description is not None:
+            try:
+                re.compile(made.description)
+            except re.error as err:
+                raise ValueError(
+                    f"series_rules#description {made.description!r}: not a regular expression ({err})"
+                ) from None
+        return made
+
+
+def describe_series(series: Mapping, instances: Sequence[InstanceHeader] | None) -> dict:
+    """What the rules need to know of a series: ``series`` gives ``series_uid``, ``modality``, ``number``,
+    ``description`` and ``images`` (a count, used when the instances were not examined); ``instances`` add the classic
+    CT images, SOP classes, image types, orientation and slice step (mm)."""
+    info = {k: series.get(k) for k in ("series_uid", "modality", "number", "description", "images")}
+    info.update(description=str(info["description"] or ""), images=int(info["images"] or 0))
+    if instances is None:
+        return info
+    ct = [i for i in instances if i.sop_class == CT_IMAGE_STORAGE]
+    info.update(images=len(ct), sop_classes=sorted({i.sop_class for i in instances}))
+    info["image_types"] = sorted({t.upper() for i in instances for t in i.image_types})
+    orientations = {tuple(round(float(v), 3) for v in i.orientation) for i in ct}
+    info["orientation"], info["spacing_mm"] = "unknown", None
+    if len(orientations) > 1:
+        info["orientation"] = "mixed"
+    elif orientations and len(next(iter(orientations))) == 6:
+        row_col = np.asarray(next(iter(orientations)), float).reshape(2, 3)
+        normal = np.cross(row_col[0], row_col[1])
+        normal /= np.linalg.norm(normal) or 1.0
+        axis = int(np.argmax(np.abs(normal)))
+        info["orientation"] = ("sagittal", "coronal", "axial")[axis] if abs(normal[axis]) >= AXIAL_COS else "oblique"
+        along = sorted(
+            {round(float(np.dot(normal, np.asarray(i.position, float))), 3) for i in ct if len(i.position) == 3}
+        )
+        gaps = np.diff(along)
+        info["spacing_mm"] = round(float(statistics.median(gaps)), 3) if len(gaps) else None
+    return info
+
+
+def choose_series(described: Sequence[Mapping], rules: SeriesRules | Mapping | None = None) -> tuple[dict | None, list]:
+    """The CT series the rules choose among ``described`` (:func:`describe_series`), or None, and every other CT
+    series with the reason it was not chosen. A chosen series without a preferred ImageType carries a ``note``."""
+    rules = SeriesRules.of(rules)
+    cts = [dict(s) for s in described if s.get("modality", "CT") == "CT"]
+    for info in cts:
+        info["reason"] = _refusal(info, rules)
+    usable = sorted(
+        (s for s in cts if s["reason"] is None),
+        key=lambda s: (not _preferred(s, rules), s["spacing_mm"], -s["images"], _number(s["number"]), s["series_uid"]),
+    )
+    chosen = usable[0] if usable else None
+    if chosen is not None:
+        del chosen["reason"]
+        if rules.prefer_image_types and not _preferred(chosen, rules):
+            chosen["note"] = (
+                f"ImageType {'/'.join(chosen['image_types']) or 'absent'}: the study has no "
+                f"{'/'.join(rules.prefer_image_types)} series that passes series_rules, so this one is used"
+            )
+        for other in usable[1:]:
+            if _preferred(chosen, rules) and not _preferred(other, rules):
+                why = f"ImageType {'/'.join(other['image_types'])}, and the study has an {rules.prefer_image_types[0]}"
+                why += " series"
+            elif other["spacing_mm"] > chosen["spacing_mm"]:
+                why = f"{other['spacing_mm']:g} mm slices, thicker than the chosen {chosen['spacing_mm']:g} mm"
+            elif other["images"] < chosen["images"]:
+                why = f"{other['images']} slices, fewer than the chosen {chosen['images']}"
+            else:
+                why = "as thin and as many slices as the chosen one, which has the lower series number"
+            other["reason"] = f"usable, but {why}"
+    return chosen, [s for s in cts if s is not chosen]
+
+
+def _preferred(info: Mapping, rules: SeriesRules) -> bool:
+    """Whether the series' ImageType holds a preferred value; a series without ImageType (stripped by some
+    anonymisers) is not known to be derived and counts as preferred."""
+    types = set(info.get("image_types", ()))
+    return not rules.prefer_image_types or not types or bool(types & set(rules.prefer_image_types))
+
+
+def _refusal(info: Mapping, rules: SeriesRules) -> str | None:
+    """Why the series cannot be the case's CT, or None when it can."""
+    if "sop_classes" not in info:  # not examined: the server counted too few instances
+        return f"{info['images']} images, fewer than series_rules#min_slices ({rules.min_slices})"
+    if not info["images"] and set(info["sop_classes"]) & set(ENHANCED_CT_STORAGE):
+        return "Enhanced (multi-frame) CT: the reader takes classic CT images (one file per slice)"
+    if info["images"] < rules.min_slices:
+        return f"{info['images']} CT images, fewer than series_rules#min_slices ({rules.min_slices})"
+    excluded = [t for t in info["image_types"] if t in rules.exclude_image_types]
+    if excluded:
+        return f"ImageType {'/'.join(excluded)} (series_rules#exclude_image_types)"
+    if rules.orientation == "axial" and info["orientation"] != "axial":
+        return f"{info['orientation']} slices, not axial (series_rules#orientation)"
+    if rules.description is not None and not re.search(rules.description, info["description"]):
+        return f"SeriesDescription {info['description']!r} does not match series_rules#description"
+    if info["spacing_mm"] is None or info["spacing_mm"] <= 0:
+        return "slice positions missing or all at one place"
+    return None
+
+
+def _number(value: Any) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return math.inf
