@@ -1,20 +1,25 @@
 """Benchmark of CPU inference: the same case through ``configs/inference.yaml`` as shipped, run by PyTorch and by
-ONNX Runtime (``inference_backend``), side by side.
+ONNX Runtime (``inference_backend``), with the windows over the thorax only (``roi_region: thorax``, the default) and
+over the whole body crop (``roi_region: body``, 0.5.1's behaviour), side by side.
 
 The shipped network (SwinUNETR feature size 48, random weights: time does not depend on their values) and the
-shipped window settings (96^3 windows, sw_batch_size 4, overlap 0.25, 1 x 1 x 3 mm) on synthetic chest CTs written as
-DICOM: ``small`` (160 x 160 x 48 voxels of 1.6 mm, 3 mm slices) and ``chest`` (512 x 512 x 120 of 0.98 mm, 3 mm
-slices, a realistic planning CT). Each backend and case runs in a child process of its own (so its peak RSS is its
-own, and nothing one leaves warm helps the other); the ONNX export (once per weights file, cached beside them) is
-made before the timed run and reported apart. Only the NIfTI label map is written::
+shipped window settings (96^3 windows, sw_batch_size 4, overlap 0.25, 1 x 1 x 3 mm) on synthetic CTs written as
+DICOM: ``small`` (scripts.synthetic's demo-like chest, 160 x 160 x 48 voxels of 1.6 mm, 3 mm slices) and ``chest``
+(:func:`scripts.synthetic.write_chest_case`: 512 x 512 x 120 of 0.98 mm, 3 mm slices -- the neck above the lungs,
+shoulders and arms beside the body, the upper abdomen below, the couch under the back, as a planning CT holds them;
+scripts/phantom.py states the proportions). Each backend, region and case runs in a child process of its own (so its
+peak RSS is its own, and nothing one leaves warm helps the other); the ONNX export (once per weights file, cached
+beside them) is made before the timed run and reported apart. Only the NIfTI label map is written::
 
-    python -m benchmarks.bench_inference [--cases small,chest] [--backends torch,onnxruntime] [--threads N]
-                                         [--output_dir DIR] [--json_out FILE]
+    python -m benchmarks.bench_inference [--cases small,chest] [--backends torch,onnxruntime]
+                                         [--regions body,thorax] [--threads N] [--output_dir DIR] [--json_out FILE]
 
-Per case and backend: seconds for the whole case (read DICOM, preprocess, sliding window, invert, write), seconds in
-the network (its forward passes, timed by hooks), the windows run, GFLOP/s (the network's floating-point work per
-window counted by torch's FlopCounterMode, times the windows, over the network seconds), peak RSS, and onnxruntime's
-time relative to torch's; then how many voxels of the two label maps agree.
+Per case, backend and region: seconds for the whole case and per stage (read, preprocess, region, predict,
+postprocess, write: inference_report.json's), seconds in the network (its forward passes, timed by hooks), the windows
+run, GFLOP/s (the network's floating-point work per window counted by torch's FlopCounterMode, times the windows, over
+the network seconds), peak RSS, and the time relative to the body crop's with the same backend and to torch's; then
+how many voxels of the label maps agree (every run of a case against its first), and whether the thorax region holds
+the tumour where the phantom put it.
 """
 
 from __future__ import annotations
@@ -32,43 +37,51 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-CASES = {  # columns, rows, slices; pixel spacing (mm); 3 mm slices
-    "tiny": ((64, 64, 24), 2.0),  # for the benchmark's own test, with a small network
-    "small": ((160, 160, 48), 1.6),
-    "chest": ((512, 512, 120), 0.9765625),
+CASES = {  # columns, rows, slices; pixel spacing, slice spacing (mm); the chest phantom or the demo-like synthetic case
+    "tiny": ((128, 128, 40), 4.0, 9.0, "chest"),  # for the benchmark's own test, with a small network and grid
+    "small": ((160, 160, 48), 1.6, 3.0, "synthetic"),
+    "chest": ((512, 512, 120), 0.9765625, 3.0, "chest"),
 }
 
 
 def main(
     cases: str | Sequence[str] = ("small", "chest"),
     backends: str | Sequence[str] = ("torch", "onnxruntime"),
+    regions: str | Sequence[str] = ("body", "thorax"),
     threads: int | None = None,
     feature_size: int = 48,
     roi_size: Sequence[int] = (96, 96, 96),
+    spacing: Sequence[float] | None = None,
     output_dir: str | None = None,
     json_out: str | None = None,
 ) -> dict[str, Any]:
-    """Write the cases and the weights, run every case with every backend in a child process, print a table.
-    ``feature_size`` and ``roi_size`` other than the shipped ones are for a quick check only."""
-    cases, backends = _names(cases), _names(backends)
+    """Write the cases and the weights, run every case with every backend and region in a child process, print a
+    table. ``feature_size``, ``roi_size`` and ``spacing`` other than the shipped ones are for a quick check only."""
+    cases, backends, regions = _names(cases), _names(backends), _names(regions)
     network = {"feature_size": int(feature_size), "roi_size": [int(r) for r in roi_size]}
+    if spacing is not None:
+        network["spacing"] = [float(s) for s in spacing]
     folder = Path(output_dir) if output_dir else Path(tempfile.mkdtemp(prefix="bench_inference_"))
     try:
         weights = _write_weights(folder / "models" / "model.pt", network["feature_size"])
         report: dict[str, Any] = {"cpus": len(os.sched_getaffinity(0)), "threads": threads, "rows": [], **network,
-                                  "gflop_per_window": round(window_gflop(**network), 1)}  # fmt: skip
+                                  "gflop_per_window": round(window_gflop(network["feature_size"], network["roi_size"]),
+                                                            1)}  # fmt: skip
         for case in cases:
-            inputs = _write_case(folder / "in" / case, case)
+            inputs, truth = _write_case(folder / "in" / case, case)
+            runs = []
             for backend in backends:
-                out = folder / "out" / f"{case}_{backend}"
-                row = _child(inputs, out, weights, backend, threads, network)
-                row.update(case=case, shape="x".join(map(str, CASES[case][0])), backend=backend)
-                row["gflop_per_s"] = round(report["gflop_per_window"] * row["windows"] / row["network_s"], 1)
-                report["rows"].append(row)
-            report.setdefault("agreement", {})[case] = _agreement(folder / "out", case, backends)
-        for row in report["rows"]:
-            torch_row = next((r for r in report["rows"] if r["case"] == row["case"] and r["backend"] == "torch"), None)
-            row["vs_torch"] = round(row["s_per_case"] / torch_row["s_per_case"], 2) if torch_row else None
+                for region in regions:
+                    out = folder / "out" / f"{case}_{backend}_{region}"
+                    row = _child(inputs, out, weights, backend, threads, {**network, "roi_region": region})
+                    row.update(case=case, shape="x".join(map(str, CASES[case][0])), backend=backend, region=region)
+                    row["gflop_per_s"] = round(report["gflop_per_window"] * row["windows"] / row["network_s"], 1)
+                    row["holds_tumour"] = _holds(row.get("box_lps_mm"), truth)
+                    report["rows"].append(row)
+                    runs.append((out, backend, region))
+            box = next((r["box_lps_mm"] for r in report["rows"] if r["case"] == case and r["region"] == "thorax"), None)
+            report.setdefault("agreement", {})[case] = _agreement(runs, box)
+        _relative(report["rows"])
         print(format_report(report))
         if json_out:
             Path(json_out).write_text(json.dumps(report, indent=2) + "\n")
@@ -76,6 +89,27 @@ def main(
     finally:
         if not output_dir:
             shutil.rmtree(folder, ignore_errors=True)
+
+
+def _relative(rows: list[dict]) -> None:
+    """Each row's time over the body crop's with the same backend, and over torch's with the same region."""
+    for row in rows:
+        same = [r for r in rows if r["case"] == row["case"]]
+        body = next((r for r in same if r["backend"] == row["backend"] and r["region"] == "body"), None)
+        torch_row = next((r for r in same if r["region"] == row["region"] and r["backend"] == "torch"), None)
+        row["vs_body"] = round(row["s_per_case"] / body["s_per_case"], 2) if body else None
+        row["vs_torch"] = round(row["s_per_case"] / torch_row["s_per_case"], 2) if torch_row else None
+
+
+def _holds(box: list | None, truth: dict | None) -> bool | None:
+    """Whether the region's box (LPS mm) holds the phantom's tumour (its centre and semi-axes); None without both."""
+    if not box or not truth or "tumour_centre_lps" not in truth:
+        return None
+    import numpy as np
+
+    low, high = np.asarray(box, float)
+    centre, radii = np.asarray(truth["tumour_centre_lps"]), np.asarray(truth["tumour_radii_mm"])
+    return bool((low <= centre - radii).all() and (high >= centre + radii).all())
 
 
 def window_gflop(feature_size: int = 48, roi_size: Sequence[int] = (96, 96, 96)) -> float:
@@ -107,14 +141,19 @@ def _write_weights(path: Path, feature_size: int) -> Path:
     return path
 
 
-def _write_case(folder: Path, case: str) -> Path:
-    """One synthetic chest CT as DICOM (kept when written already)."""
-    from scripts.synthetic import write_case
+def _write_case(folder: Path, case: str) -> tuple[Path, dict | None]:
+    """One synthetic CT as DICOM (kept when written already), and the chest phantom's truth (None for the other)."""
+    from scripts.synthetic import write_case, write_chest_case
 
-    shape, pixel = CASES[case]
+    shape, pixel, slices, kind = CASES[case]
+    truth_file = folder / "truth.json"
     if not folder.is_dir():
-        write_case(folder, "P1", seed=7, shape=shape, pixel_spacing=(pixel, pixel), slice_spacing=3.0)
-    return folder
+        if kind == "chest":
+            truth = write_chest_case(folder, "P1", shape, pixel, slices, seed=7)
+            truth_file.write_text(json.dumps(truth))
+        else:
+            write_case(folder, "P1", seed=7, shape=shape, pixel_spacing=(pixel, pixel), slice_spacing=slices)
+    return folder, json.loads(truth_file.read_text()) if truth_file.is_file() else None
 
 
 def _child(inputs: Path, out: Path, weights: Path, backend: str, threads: int | None, network: dict) -> dict[str, Any]:
@@ -154,36 +193,72 @@ def infer(inputs: str, out: str, weights: str, backend: str, threads: str = "", 
     workflow.run()
     total = time.perf_counter() - start
     workflow.finalize()
+    (case,) = json.loads((Path(out) / "inference_report.json").read_text())["cases"]
+    region = case.get("region", {})
     print(json.dumps({"s_per_case": round(total, 1), "network_s": round(sum(forward), 1), "windows": sum(windows),
+                      "windows_whole_input": region.get("windows_whole_input"), "method": region.get("method"),
+                      "box_lps_mm": region.get("box_lps_mm"), "stage_seconds": case.get("stage_seconds", {}),
                       "network_setup_s": round(setup, 1),
                       "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)}))  # fmt: skip
 
 
-def _agreement(out: Path, case: str, backends: list[str]) -> float | None:
-    """The fraction of voxels on which the backends' label maps agree (None with one backend)."""
-    if len(backends) < 2:
-        return None
+def _agreement(runs: list[tuple[Path, str, str]], box: list | None) -> dict[str, float | None]:
+    """How many voxels agree: between the backends (each region's runs against its first, every voxel), and between
+    the regions inside the thorax box (each backend's; outside it the thorax run is background by construction and a
+    network with random weights is not). None where there is nothing to compare."""
     import nibabel as nib
     import numpy as np
 
-    maps = [np.asarray(nib.load(out / f"{case}_{b}" / "P1" / "P1_seg.nii.gz").dataobj) for b in backends]
-    return round(float(np.mean([(m == maps[0]).mean() for m in maps[1:]])), 6)
+    maps = {(backend, region): nib.load(out / "P1" / "P1_seg.nii.gz") for out, backend, region in runs}
+    data = {key: np.asarray(image.dataobj) for key, image in maps.items()}
+    pairs = {"backends": [], "regions_in_box": []}
+    for (backend, region), labels in data.items():
+        first = next(v for (b, r), v in data.items() if r == region)
+        if first is not labels:
+            pairs["backends"].append(float((labels == first).mean()))
+        if region != "body" and (backend, "body") in data and box:
+            inside = _inside(maps[(backend, region)].affine, labels.shape, box)
+            pairs["regions_in_box"].append(float((labels[inside] == data[(backend, "body")][inside]).mean()))
+    return {k: round(min(v), 6) if v else None for k, v in pairs.items()}
+
+
+def _inside(affine: Any, shape: tuple[int, ...], box: list) -> Any:
+    """The voxels (of an axis-aligned RAS grid) whose centres lie in ``box`` (LPS mm, min and max corners)."""
+    import numpy as np
+
+    lps = np.diag([-1.0, -1.0, 1.0, 1.0]) @ np.asarray(affine, float)
+    low, high = np.asarray(box, float)
+    masks = [(low[a] <= c) & (c <= high[a]) for a in range(3)
+             for c in [lps[a, a] * np.arange(shape[a]) + lps[a, 3]]]  # fmt: skip
+    return masks[0][:, None, None] & masks[1][None, :, None] & masks[2][None, None, :]
 
 
 def format_report(report: dict[str, Any]) -> str:
     window = "x".join(map(str, report["roi_size"]))
     lines = [f"bench_inference: configs/inference.yaml (SwinUNETR f{report['feature_size']}, {window} windows), "
              f"{report['cpus']} CPUs, {report['gflop_per_window']} GFLOP per window",
-             "| case | backend | s/case | network s/case | windows | GFLOP/s | peak RSS MB | vs torch |",
-             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "| case | backend | region | s/case | read | preprocess | region s | predict | postprocess | write | "
+             "network s | windows | GFLOP/s | peak RSS MB | vs body | vs torch | holds tumour |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in report["rows"]:
-        vs = f"{r['vs_torch']:.2f}x" if r["vs_torch"] is not None else ""
-        lines.append(f"| {r['case']} ({r['shape']}) | {r['backend']} | {r['s_per_case']:.1f} | {r['network_s']:.1f} | "
-                     f"{r['windows']} | {r['gflop_per_s']:.0f} | {r['peak_rss_mb']} | {vs} |")  # fmt: skip
+        stages = r.get("stage_seconds", {})
+        stage_names = ("read", "preprocess", "region", "predict", "postprocess", "write")
+        times = " | ".join(f"{stages.get(k, 0.0):.1f}" for k in stage_names)
+        ratios = [f"{r[k]:.2f}x" if r.get(k) is not None else "" for k in ("vs_body", "vs_torch")]
+        windows = f"{r['windows']} of {r['windows_whole_input']}" if r.get("windows_whole_input") else r["windows"]
+        holds = {True: "yes", False: "NO", None: ""}[r.get("holds_tumour")]
+        lines.append(f"| {r['case']} ({r['shape']}) | {r['backend']} | {r['region']} | {r['s_per_case']:.1f} | "
+                     f"{times} | {r['network_s']:.1f} | {windows} | {r['gflop_per_s']:.0f} | {r['peak_rss_mb']} | "
+                     f"{ratios[0]} | {ratios[1]} | {holds} |")  # fmt: skip
     for case, agreement in report.get("agreement", {}).items():
-        if agreement is not None:
-            lines.append(f"{case}: label maps agree on {100 * agreement:.3f} % of voxels")
-    setup = [f"{r['backend']} {r['case']}: {r['network_setup_s']} s" for r in report["rows"]]
+        if agreement.get("backends") is not None:
+            lines.append(f"{case}: the backends' label maps agree on {100 * agreement['backends']:.3f} % of voxels")
+        if agreement.get("regions_in_box") is not None:
+            lines.append(
+                f"{case}: thorax and body label maps agree on {100 * agreement['regions_in_box']:.3f} % of the "
+                "voxels inside the thorax box (outside it the thorax run is background)"
+            )
+    setup = [f"{r['backend']} {r['case']} {r['region']}: {r['network_setup_s']} s" for r in report["rows"]]
     lines.append("network set-up (weights loaded; onnxruntime: exported when not cached): " + ", ".join(setup))
     return "\n".join(lines)
 
@@ -191,4 +266,7 @@ def format_report(report: dict[str, Any]) -> str:
 if __name__ == "__main__":
     import fire
 
-    fire.Fire({"main": main, "infer": infer} if len(sys.argv) > 1 and sys.argv[1] in ("main", "infer") else main)
+    if len(sys.argv) > 1 and sys.argv[1] == "infer":
+        fire.Fire(infer, command=sys.argv[2:])
+    else:
+        fire.Fire(lambda **options: main(**options) and None)

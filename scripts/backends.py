@@ -13,7 +13,7 @@ than PyTorch's eager mode (docs/performance.md, ``python -m benchmarks.bench_inf
   not those written (a cut copy, a disk error) is refused with a message saying which file to delete.
 * :class:`OnnxNetwork` -- the ONNX Runtime session as a ``torch.nn.Module``, so the sliding window, the ensemble and
   mirror TTA (:mod:`scripts.ensemble`) call it exactly as they call the PyTorch network.
-* ONNX Runtime's thread count is :func:`scripts.summarize_trace.usable_cpus`: the CPUs this process may use (its
+* ONNX Runtime's thread count is :func:`scripts.cpus.usable_cpus`: the CPUs this process may use (its
   affinity mask, and a cgroup CPU quota as containers set it).
 """
 
@@ -31,7 +31,8 @@ from typing import Any
 
 import numpy as np
 import torch
-from scripts.summarize_trace import usable_cpus
+from scripts.cpus import usable_cpus
+from scripts.files import file_sha256, replace_atomically, write_json
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +82,6 @@ def onnx_network(
     ``cache_dir``: where the export is kept (None: beside ``weights``). ``threads``: intra-op threads (None: every
     CPU this process may use).
     """
-    from scripts.ensemble import file_sha256
 
     weights = Path(weights)
     folder = Path(cache_dir) if cache_dir is not None else weights.parent
@@ -115,8 +115,6 @@ def cache_key(network: torch.nn.Module, weights_sha256: str, window: Sequence[in
 def export(network: torch.nn.Module, model_file: Path, window: Sequence[int], key: str, weights: Path) -> Path:
     """``network`` to ONNX at ``model_file`` (one window of shape ``window``), then its sidecar
     ``<model_file>.json`` with the cache key and the file's SHA-256; both written whole or not at all."""
-    from scripts.ensemble import file_sha256
-    from scripts.files import replace_atomically, write_json
 
     shape = (1, 1, *(int(w) for w in window))
     logger.info("exporting %s to ONNX for ONNX Runtime (once per weights file and settings) -> %s", weights,
@@ -178,7 +176,6 @@ def _simplify(model: Any) -> None:
 
 def check_cache(model_file: Path) -> None:
     """Refuse an ONNX file whose bytes are not the ones its sidecar recorded at export, naming what to delete."""
-    from scripts.ensemble import file_sha256
 
     sidecar = _sidecar(model_file)
     try:

@@ -20,7 +20,6 @@ one pass over the windows.
 from __future__ import annotations
 
 import copy
-import hashlib
 import itertools
 import json
 import logging
@@ -31,6 +30,8 @@ from pathlib import Path
 
 import torch
 from monai.transforms import KeepLargestConnectedComponentd
+from scripts.backends import onnx_network
+from scripts.files import file_sha256
 from scripts.weights import load_weights
 
 logger = logging.getLogger(__name__)
@@ -192,8 +193,6 @@ def ensemble(
     for i, path in enumerate(models.paths):
         member = load_weights(network if i == 0 else copy.deepcopy(network), path, labels=labels)
         if backend == "onnxruntime":
-            from scripts.backends import onnx_network
-
             if window is None:
                 raise ValueError("backend onnxruntime: give the sliding window's shape (window=roi_size).")
             member = onnx_network(member, path, window, cache_dir, threads)
@@ -212,12 +211,3 @@ def _backend_version(backend: str) -> str:
 
         return f"onnxruntime {onnxruntime.__version__}"
     return f"torch {torch.__version__}"
-
-
-def file_sha256(path: str | Path) -> str:
-    """The SHA-256 of a file, read in 1 MiB blocks."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()

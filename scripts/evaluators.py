@@ -9,18 +9,27 @@ input, stage, the error's own message), the handlers see an empty output for it 
 already removed its partial outputs, and the next case runs. An out-of-memory error in one case is one failed case,
 not a dead run. ``on_case_done`` is called with each case once it is finished, done or failed (e.g. to remove the
 temporary folder it was retrieved into).
+
+:attr:`CaseByCaseEvaluator.stage_seconds` holds the last case's seconds per stage: ``read`` and ``preprocess`` (timed
+by :class:`scripts.inputs.CaseDataset`), ``region`` and ``predict`` (the inferer's, when it times itself:
+:class:`scripts.inferers.FallbackSlidingWindowInferer`), ``postprocess``, and ``write`` / ``store`` for the
+post-processing transforms that name that ``stage``.
 """
 
 from __future__ import annotations
 
 import logging
+import time
+from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from ignite.engine import Engine
 from ignite.metrics import Metric
 from monai.engines import SupervisedEvaluator
 from monai.engines.utils import IterationEvents
+from monai.transforms import Compose, apply_transform
 from scripts.inputs import failure_record
 from scripts.outputs import CaseOutputError
 
@@ -36,17 +45,30 @@ class CaseByCaseEvaluator(SupervisedEvaluator):
             *(kwargs.get("additional_metrics") or {}).values(),
         ]:
             _count_only_cases_that_ran(metric)
+        self.stage_seconds: dict[str, float] = defaultdict(float)
+        if isinstance(kwargs.get("postprocessing"), Compose):
+            kwargs["postprocessing"] = _TimedCompose(kwargs["postprocessing"], self.stage_seconds)
         super().__init__(*args, **kwargs)
         self.failures: list[dict] = []
         self.on_case_done = on_case_done
         self._stage = "predict"
+        self._started = 0.0
         self.add_event_handler(IterationEvents.FORWARD_COMPLETED, self._predicted)
 
     def _predicted(self, _engine: Engine) -> None:
         self._stage = "postprocess"
+        seconds = getattr(self.inferer, "last", {}).get("seconds", {})
+        forward = time.perf_counter() - self._started
+        self.stage_seconds["region"] = seconds.get("region", 0.0)
+        self.stage_seconds["predict"] = round(forward - self.stage_seconds["region"], 3)
 
     def _iteration(self, engine: Engine, batchdata: dict) -> Any:
         item = _single(batchdata)
+        self.stage_seconds.clear()
+        for stage in ("read", "preprocess"):
+            if isinstance(item.get(f"seconds_{stage}"), (float, int, torch.Tensor)):
+                self.stage_seconds[stage] = round(float(item[f"seconds_{stage}"]), 3)
+        self._started = time.perf_counter()
         try:
             if item.get("failure_stage"):
                 return self._fail(engine, item, item["failure_stage"], item["failure_reason"])
@@ -74,6 +96,24 @@ class CaseByCaseEvaluator(SupervisedEvaluator):
         logger.error("case %s failed at %s: %s", record.get("case_id", "?"), stage, reason)
         engine.state.batch, engine.state.output = [], []
         return []
+
+
+class _TimedCompose:
+    """A post-processing ``Compose`` applied transform by transform, each one's seconds added to ``seconds`` under the
+    ``stage`` it names (``write``, ``store``), else ``postprocess``; one that is switched off (``enabled`` false) is
+    applied but not counted."""
+
+    def __init__(self, compose: Compose, seconds: dict[str, float]) -> None:
+        self.compose, self.seconds = compose, seconds
+
+    def __call__(self, data: Any) -> Any:
+        for transform in self.compose.transforms:
+            clock = time.perf_counter()
+            data = apply_transform(transform, data, self.compose.map_items, self.compose.unpack_items)
+            if getattr(transform, "enabled", True):  # a writer switched off is no stage of this run
+                stage = getattr(transform, "stage", "postprocess")
+                self.seconds[stage] = round(self.seconds.get(stage, 0.0) + time.perf_counter() - clock, 3)
+        return data
 
 
 def _stage_of(error: BaseException | None, default: str) -> str:

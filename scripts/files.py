@@ -100,6 +100,15 @@ def fingerprint(folder: str | Path, head_bytes: int = 16384) -> str:
     return digest.hexdigest()
 
 
+def file_sha256(path: str | Path) -> str:
+    """The SHA-256 of a file, read in 1 MiB blocks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
 def write_text(path: str | Path, text: str) -> Path:
     return replace_atomically(path, lambda tmp: tmp.write_text(text))
 

@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
@@ -143,10 +144,10 @@ def _skipped_folders(root: Path, index: DicomIndex) -> list[dict]:
 
 class CaseDataset(Dataset):
     """A MONAI ``Dataset`` in which a case that fails never stops the run: ``load`` then ``transform`` are applied
-    per case, and an exception in either becomes the case's failure record (``failure_stage`` = ``read`` or
-    ``preprocess``, ``failure_reason`` = the error's own message, which names the file) that
-    :class:`scripts.evaluators.CaseByCaseEvaluator` records and skips. Works in DataLoader worker processes: the
-    record travels in the batch."""
+    per case (each timed: ``seconds_read``, ``seconds_preprocess``), and an exception in either becomes the case's
+    failure record (``failure_stage`` = ``read`` or ``preprocess``, ``failure_reason`` = the error's own message,
+    which names the file) that :class:`scripts.evaluators.CaseByCaseEvaluator` records and skips. Works in DataLoader
+    worker processes: the record travels in the batch."""
 
     def __init__(self, data: Sequence[dict], transform: Callable | None = None, load: Callable | None = None) -> None:
         super().__init__(data=data, transform=transform)
@@ -154,14 +155,17 @@ class CaseDataset(Dataset):
 
     def _transform(self, index: int) -> dict:
         item = dict(self.data[index])
+        seconds = {}
         for stage, step in (("read", self.load), ("preprocess", self.transform)):
             if step is None:
                 continue
+            clock = time.perf_counter()
             try:
                 item = apply_transform(step, item)
             except Exception as err:  # one case's data must not end the run
                 return failure_record(item, stage, err)
-        return item
+            seconds[f"seconds_{stage}"] = time.perf_counter() - clock
+        return {**item, **seconds}
 
 
 def failure_record(item: Mapping, stage: str, error: BaseException) -> dict:

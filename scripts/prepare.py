@@ -48,12 +48,12 @@ from pathlib import Path
 import nibabel as nib
 import numpy as np
 from scripts.config import as_bool
+from scripts.cpus import usable_cpus
 from scripts.dicom import LABEL_SOURCES, DicomCaseError, read_case
 from scripts.dicom.discovery import DiscoveryError, scan
 from scripts.files import display_name, save_nifti, write_json
 from scripts.geometry import voxel_volume_ml
 from scripts.labels import COLLECTION, check_labels
-from scripts.summarize_trace import usable_cpus
 from tqdm import tqdm
 
 logger = logging.getLogger(__name__)

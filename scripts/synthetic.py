@@ -326,6 +326,34 @@ def generate(
     return truths
 
 
+def write_chest_case(
+    output_dir: str | Path,
+    patient_id: str = "P1",
+    shape: Sequence[int] = (512, 512, 120),
+    pixel_spacing: float = 0.9765625,
+    slice_spacing: float = 3.0,
+    pathology: str = "none",
+    arms: bool = True,
+    seed: int = 0,
+) -> dict:
+    """A chest CT as a real one holds it (:func:`scripts.phantom.chest`: neck, shoulders and arms, lungs,
+    mediastinum, upper abdomen, couch) written as DICOM with a SEG of its tumour, in the TCIA layout; its truth."""
+    from scripts.phantom import chest
+
+    nx, ny, nz = (int(v) for v in shape)
+    rng = np.random.default_rng(seed)
+    grid = _make_grid((nx, ny, nz), (pixel_spacing, pixel_spacing), slice_spacing, rng)
+    hu, tumour, truth = chest(grid.xs, grid.ys, grid.zs, pathology, arms=arms, seed=seed)
+    stored = np.clip(np.rint(hu - INTERCEPT), 0, 4095).astype(np.uint16)
+    uid = _uid_maker(seed, patient_id)
+    case_dir = Path(output_dir) / COLLECTION / patient_id / "1"
+    slices = _write_ct(case_dir / "image", grid, stored, patient_id, uid, 2, False, None, False)
+    _write_seg(case_dir / "seg" / "1-1.dcm", slices, {"GTV-1": tumour}, ["GTV-1"], "GTV-1", uid, 1000, True, False)
+    truth.update(patient_id=patient_id, shape=[nx, ny, nz], image_dir=str(case_dir / "image"),
+                 seg_file=str(case_dir / "seg" / "1-1.dcm"))  # fmt: skip
+    return truth
+
+
 def tumour_contains(truth: dict, points_lps: np.ndarray) -> np.ndarray:
     """True for each (N, 3) LPS point inside the analytic tumour of ``truth``."""
     points = np.asarray(points_lps, dtype=float).reshape(-1, 3)

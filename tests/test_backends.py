@@ -125,9 +125,9 @@ def test_an_ensemble_with_mirror_tta_in_the_sliding_window_agrees_with_torch(tmp
 
 
 def test_threads_are_the_cpus_this_process_may_use(tmp_path, monkeypatch):
-    """ONNX Runtime's threads: usable_cpus (the affinity mask and a cgroup quota, tested in test_summarize_trace.py)."""
+    """ONNX Runtime's threads: usable_cpus (the affinity mask and a cgroup quota, tested in test_cpus.py)."""
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5}, raising=False)
-    monkeypatch.setattr("scripts.summarize_trace.cgroup_cpu_quota", lambda root: 2.5)
+    monkeypatch.setattr("scripts.cpus.cgroup_cpu_quota", lambda root: 2.5)
     network, weights = saved(small_network(0), tmp_path / "model.pt")
     session = onnx_network(network, weights, WINDOW).session
     assert session.get_session_options().intra_op_num_threads == 3, "Docker --cpus 2.5 on 6 CPUs: 3 threads"

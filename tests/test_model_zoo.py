@@ -83,34 +83,37 @@ def test_verify_data_shape_on_the_inference_config_alone(zoo, monkeypatch, caplo
 
 
 def test_the_inference_config_alone_has_monais_inference_properties(zoo, monkeypatch):
-    """verify_bundle's property check: create_workflow (which runs initialize) on the inference config alone. It
-    builds the evaluator, so the network with its weights: PyTorch here, where ONNX Runtime would export it first."""
+    """verify_bundle's property check: create_workflow (which runs initialize) on the inference config alone, with the
+    zoo's settings only: it builds the evaluator, so the network with its weights, on this CPU by ONNX Runtime (the
+    default backend), which exports them first."""
     from monai.bundle import create_workflow
 
     monkeypatch.chdir(zoo)
     bundle = f"models/{NAME}"
+    monkeypatch.syspath_prepend(str(zoo / bundle))  # as the zoo's tests of bundles with scripts do
     workflow = create_workflow(workflow_type="inference", bundle_root=bundle,
                                config_file=f"{bundle}/configs/inference.yaml",
                                logging_file=f"{bundle}/configs/logging.conf",
-                               meta_file=f"{bundle}/configs/metadata.json",
-                               inference_backend="torch")  # fmt: skip
+                               meta_file=f"{bundle}/configs/metadata.json")  # fmt: skip
     assert workflow.check_properties() == []
     assert not (zoo / bundle / "runs").exists(), "initialize writes nothing"
 
 
 @pytest.fixture(scope="module")
 def zoo_run(zoo, tiny_data) -> Path:
-    """The zoo's unit-test pattern, from the zoo's root: train with configs/train.json and its overrides (one tiny
-    epoch of the demo-sized network), evaluate with train.json + evaluate, infer with configs/inference.yaml ALONE
-    (by PyTorch: test_workflow_inference.py runs ONNX Runtime, which exports the weights first)."""
+    """The zoo's unit-test pattern, from the zoo's root with the bundle on sys.path: train with configs/train.json and
+    its overrides (one tiny epoch of the demo-sized network), evaluate with train.json + evaluate as a "train" workflow
+    (its test_eval_config), infer with configs/inference.yaml ALONE -- each on the default backend (ONNX Runtime on
+    this CPU): no setting the zoo would not pass."""
     with pytest.MonkeyPatch.context() as patch:
         patch.chdir(zoo)
+        patch.syspath_prepend(str(zoo / "models" / NAME))
         bundle = f"models/{NAME}"
         files = {"meta_file": f"{bundle}/configs/metadata.json", "logging_file": f"{bundle}/configs/logging.conf"}
         network = {"bundle_root": bundle, "feature_size": 12, "roi_size": [64, 64, 32], "spacing": [2.0, 2.0, 3.0]}
         common = {**network, "dataset_dir": str(tiny_data / "data"), "prepared_dir": str(tiny_data / "prepared"),
                   "output_dir": str(zoo / "run"), "model_path": str(zoo / "run" / "model.pt"), "num_samples": 1,
-                  "max_epochs": 1, "val_interval": 1, "num_workers": 0, "inference_backend": "torch"}  # fmt: skip
+                  "max_epochs": 1, "val_interval": 1, "num_workers": 0}  # fmt: skip
         check_workflow(ConfigWorkflow(workflow_type="train", config_file=f"{bundle}/configs/train.json", **files,
                                       **common))  # fmt: skip
         # the zoo runs evaluate on train.json as a "train" workflow (its test_eval_config)
@@ -119,8 +122,7 @@ def zoo_run(zoo, tiny_data) -> Path:
                                       eval_dir=str(zoo / "eval"), eval_pictures=0))  # fmt: skip
         check_workflow(ConfigWorkflow(workflow_type="infer", config_file=f"{bundle}/configs/inference.yaml", **files,
                                       **network, input_dir=str(tiny_data / "data"), output_dir=str(zoo / "infer"),
-                                      model_path=str(zoo / "run" / "model.pt"), num_workers=0,
-                                      inference_backend="torch"))  # fmt: skip
+                                      model_path=str(zoo / "run" / "model.pt"), num_workers=0))  # fmt: skip
     return zoo
 
 

@@ -170,6 +170,23 @@ def test_each_bad_input_is_failed_or_skipped_by_name_and_the_others_are_written(
     assert "failed 3, skipped 1" in result.stdout
 
 
+def test_the_report_gives_each_case_its_region_its_windows_and_its_seconds_per_stage(inferred):
+    """The demo-sized synthetic chest (125 mm across, lungs of ~150 ml) holds no lung a real chest would: the region
+    says so and the windows cover the body crop (tests/test_region.py and bench_inference run the thorax itself)."""
+    truths, _, _, _, report = inferred
+    cases = {c["case_id"]: c for c in report["cases"]}
+    for truth in truths:
+        case = cases[truth["patient_id"]]
+        assert set(case["stage_seconds"]) == {"read", "preprocess", "region", "predict", "postprocess", "write"}
+        assert all(v >= 0 for v in case["stage_seconds"].values()) and case["stage_seconds"]["predict"] > 0
+        region = case["region"]
+        assert region["method"] == "body (no lung found)" and region["windows"] == region["windows_whole_input"] > 0
+        low, high = np.array(region["box_lps_mm"])
+        for ellipsoid in truth["tumour"]["ellipsoids"]:
+            centre, radii = np.array(ellipsoid["center_lps"]), np.array(ellipsoid["radii_mm"])
+            assert (low <= centre - radii).all() and (high >= centre + radii).all(), (low, high, centre, radii)
+
+
 def test_clutter_and_a_link_loop_do_not_change_the_cases(inferred):
     truths, _, _, _, report = inferred
     inputs = [c["image"] for c in report["cases"]]

@@ -1,9 +1,10 @@
 """Requests to one NBIA REST API base URL, with retries, resumable series downloads and verified extraction.
 
-Every request is retried with exponential back-off on connection errors, timeouts, HTTP 5xx and 429; other 4xx
-(except 404) fail at once. A transfer shorter than its Content-Length, a zip that does not open or fails its CRC,
-and a file whose MD5 differs from ``md5hashes.csv`` are fetched again (each counts as a retry); a cut transfer is
-resumed with ``Range: bytes=N-`` when the server answers 206 (restarted on 200).
+Every request is retried with exponential back-off (scripts/retry.py, the policy the DICOMweb client shares) on
+connection errors, timeouts, HTTP 5xx and 429; other 4xx (except 404) fail at once. A transfer shorter than its
+Content-Length, a zip that does not open or fails its CRC, and a file whose MD5 differs from ``md5hashes.csv`` are
+fetched again (each counts as a retry); a cut transfer is resumed with ``Range: bytes=N-`` when the server answers
+206 (restarted on 200).
 
 Endpoints used (relative to the base URL)::
 
@@ -20,7 +21,6 @@ import http.client
 import json
 import logging
 import os
-import random
 import re
 import shutil
 import threading
@@ -31,6 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from scripts.retry import RETRIES, GaveUpError, RetryCancelledError, RetryPolicy, TransientError
 from scripts.tcia.archive import extract_series_zip
 from scripts.tcia.errors import IntegrityError, TciaError
 
@@ -40,8 +41,6 @@ DEFAULT_BASE_URL = "https://services.cancerimagingarchive.net/nbia-api/services/
 BASE_URL_ENV = "TCIA_BASE_URL"
 MD5_ENDPOINT = "getImageWithMD5Hash"
 PLAIN_ENDPOINT = "getImage"
-#: longest wait between two attempts, whatever the back-off or a Retry-After header asks for
-MAX_DELAY_S = 60.0
 _CHUNK = 1 << 20
 _USER_AGENT = "nsclc-swinunetr-bundle/scripts.tcia (python urllib)"
 _T = TypeVar("_T")
@@ -59,7 +58,7 @@ def list_series(
     collection: str,
     modality: str = "SEG",
     base_url: str | None = None,
-    retries: int = 5,
+    retries: int = RETRIES,
     backoff: float = 1.0,
     timeout: float = 300.0,
     *,
@@ -78,14 +77,6 @@ def list_series(
     return sorted(unique.values(), key=lambda d: (str(d.get("PatientID") or ""), str(d["SeriesInstanceUID"])))
 
 
-class _Retryable(Exception):
-    """A failure worth another attempt (network, 5xx/429, cut or corrupt transfer)."""
-
-    def __init__(self, message: str, retry_after: float | None = None) -> None:
-        super().__init__(message)
-        self.retry_after = retry_after
-
-
 class _NotFound(Exception):
     """HTTP 404."""
 
@@ -99,11 +90,10 @@ class NbiaClient:
 
     def __init__(self, base_url: str, retries: int, backoff: float, timeout: float, downloads: Path) -> None:
         self.base_url = base_url
-        self.retries = retries
-        self.backoff = backoff
+        self.policy = RetryPolicy(retries, backoff)
         self.timeout = timeout
         self.downloads = downloads
-        self.cancelled = threading.Event()  # set on Ctrl-C: workers stop at their next chunk or retry
+        self.cancelled = self.policy.cancelled  # set on Ctrl-C: workers stop at their next chunk or retry
         self._locks: dict[str, threading.Lock] = {}
         self._locks_guard = threading.Lock()
 
@@ -122,9 +112,9 @@ class NbiaClient:
             except _NotFound:
                 raise TciaError(f"{url} answered 404 Not Found; check --base_url (now {self.base_url})") from None
             except (http.client.HTTPException, OSError) as err:
-                raise _Retryable(f"response broke off ({err})") from None
+                raise TransientError(f"response broke off ({err})") from None
             if length is not None and length.isdigit() and len(body) != int(length):
-                raise _Retryable(f"response cut: {len(body)} of {length} bytes")
+                raise TransientError(f"response cut: {len(body)} of {length} bytes")
             if not body.strip():
                 return []
             try:
@@ -162,7 +152,7 @@ class NbiaClient:
             except IntegrityError as err:
                 part.unlink(missing_ok=True)
                 shutil.rmtree(out_dir, ignore_errors=True)
-                raise _Retryable(str(err)) from err
+                raise TransientError(str(err)) from err
             except TciaError:
                 part.unlink(missing_ok=True)
                 shutil.rmtree(out_dir, ignore_errors=True)
@@ -199,27 +189,19 @@ class NbiaClient:
             return self._locks.setdefault(uid, threading.Lock())
 
     def _with_retries(self, what: str, attempt: Callable[[], _T]) -> _T:
-        last = ""
-        for k in range(self.retries + 1):
-            if self.cancelled.is_set():
-                raise TciaError(f"{what}: cancelled")
-            try:
-                return attempt()
-            except _Retryable as err:
-                last = str(err)
-                if k == self.retries:
-                    break
-                delay = min(self.backoff * 2**k, MAX_DELAY_S) * (1 + 0.1 * random.random())
-                if err.retry_after is not None:
-                    delay = max(delay, min(err.retry_after, MAX_DELAY_S))
-                logger.warning("%s: %s; attempt %d of %d, next in %.2f s", what, last, k + 1, self.retries + 1, delay)
-                self.cancelled.wait(delay)
-        raise TciaError(
-            f"{what}: gave up after {self.retries + 1} attempt(s); last error: {last}. Re-run later or raise --retries"
-        )
+        """``attempt()`` under the retry policy (scripts/retry.py), its end in a :class:`TciaError`."""
+        try:
+            return self.policy.call(what, attempt)
+        except GaveUpError as err:
+            raise TciaError(
+                f"{what}: gave up after {err.attempts} attempt(s); last error: {err.last}. Re-run later or "
+                "raise --retries"
+            ) from None
+        except RetryCancelledError:
+            raise TciaError(f"{what}: cancelled") from None
 
     def _open(self, url: str, headers: dict[str, str]) -> http.client.HTTPResponse:
-        """urlopen with error classification: 404 -> _NotFound, 429/5xx/network -> _Retryable, other -> TciaError."""
+        """urlopen, its errors classified: 404 -> _NotFound, 429/5xx/network -> TransientError, other -> TciaError."""
         request = urllib.request.Request(url, headers={"User-Agent": _USER_AGENT, **headers})
         try:
             return urllib.request.urlopen(request, timeout=self.timeout)
@@ -230,13 +212,13 @@ class NbiaClient:
             if err.code == 416 and "Range" in headers:
                 raise _RangeRefused(url) from None
             if err.code == 429 or err.code >= 500:
-                raise _Retryable(f"HTTP {err.code} {err.reason}{detail}", _retry_after(err)) from None
+                raise TransientError(f"HTTP {err.code} {err.reason}{detail}", _retry_after(err)) from None
             raise TciaError(
                 f"HTTP {err.code} {err.reason} from {url}{detail}; this will not go away by retrying "
                 "(is the series public, and --base_url right?)"
             ) from None
         except (http.client.HTTPException, OSError) as err:  # URLError, refused, reset, timeout, TLS
-            raise _Retryable(f"cannot reach {url}: {getattr(err, 'reason', err)}") from None
+            raise TransientError(f"cannot reach {url}: {getattr(err, 'reason', err)}") from None
 
     def _stream(self, endpoint: str, uid: str) -> Path:
         """Download a series zip to its ``.part`` file, resuming a previous partial download when possible."""
@@ -248,14 +230,14 @@ class NbiaClient:
             resp = self._open(url, headers)
         except _RangeRefused:  # our .part is stale or already whole: start over
             part.unlink(missing_ok=True)
-            raise _Retryable("server refused to resume (HTTP 416); restarting the download") from None
+            raise TransientError("server refused to resume (HTTP 416); restarting the download") from None
         with resp:
             mode = "wb"
             if resp.status == 206:
                 start = _content_range_start(resp.headers.get("Content-Range", ""))
                 if start != offset:
                     part.unlink(missing_ok=True)
-                    raise _Retryable(f"server resumed at byte {start}, expected {offset}; restarting")
+                    raise TransientError(f"server resumed at byte {start}, expected {offset}; restarting")
                 mode = "ab"
                 logger.info("resuming %s of series %s at byte %d", endpoint, uid, offset)
             length = resp.headers.get("Content-Length")
@@ -268,13 +250,13 @@ class NbiaClient:
                     try:
                         chunk = resp.read(_CHUNK)
                     except (http.client.HTTPException, OSError) as err:
-                        raise _Retryable(f"transfer broke after {received} bytes ({err}); will resume") from None
+                        raise TransientError(f"transfer broke after {received} bytes ({err}); will resume") from None
                     if not chunk:
                         break
                     out.write(chunk)  # a disk error here is not retried
                     received += len(chunk)
             if expected is not None and received != expected:
-                raise _Retryable(f"transfer cut: got {received} of {expected} bytes (Content-Length); will resume")
+                raise TransientError(f"transfer cut: got {received} of {expected} bytes (Content-Length); will resume")
         return part
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from scripts.files import write_json
 from scripts.labels import COLLECTION
+from scripts.retry import RETRIES
 from scripts.tcia.client import NbiaClient, file_safe, list_series, resolve_base_url
 from scripts.tcia.errors import TciaError
 from scripts.tcia.markers import (
@@ -96,7 +97,7 @@ def download(
     limit: int | None = None,
     base_url: str | None = None,
     num_workers: int = 4,
-    retries: int = 5,
+    retries: int = RETRIES,
     modality: str = "SEG",
     backoff: float = 1.0,
     timeout: float = 300.0,
