@@ -118,10 +118,8 @@ def prepare(
     for record in _convert(todo, output_dir, labels, compress_images, num_workers, progress):
         records[record["case_id"]] = record
 
-    ordered = sorted(
-        [records[c["case_id"]] for c in cases] + [{**r, "status": "rejected"} for r in found["rejected"]],
-        key=lambda r: r["case_id"],
-    )
+    rejected = [{**{k: v for k, v in r.items() if k != "slice_paths"}, "status": "rejected"} for r in found["rejected"]]
+    ordered = sorted([records[c["case_id"]] for c in cases] + rejected, key=lambda r: r["case_id"])
     good = [r for r in ordered if r["status"] != "rejected"]
     _log_outcomes(ordered)
     if not good:
@@ -227,7 +225,7 @@ def find_cases(
     read are kept in ``<output_dir>/dicom_index.json``. :class:`PrepareError` when the folder holds no DICOM CT."""
     dataset_dir = Path(dataset_dir)
     root = dataset_dir / collection if (dataset_dir / collection).is_dir() else dataset_dir
-    exclude = [root / "raw"]  # TciaDataset's download cache: copies of files that lie in the case folders
+    exclude = [root / "raw"] if root != dataset_dir else []  # TciaDataset's download cache: copies of case files
     if output_dir is not None:
         exclude.append(Path(output_dir))
     try:
