@@ -37,24 +37,29 @@ For every shape the benchmark
    against it (1e-6 s);
 2. writes a large trace (``--size_gb``, 10^9 bytes uncompressed) as ``.json``, streamed to disk step by step so the
    benchmark itself stays small, then gzips it (``.json.gz``, level 6);
-3. runs ``python -m scripts.summarize_trace TRACE --format json --parser P`` in a child process for each file and
-   parser, checks its statistics against the generator's record (1e-6 s), and measures the child's wall time,
-   throughput (MB/s of uncompressed trace, 10^6 bytes; also per CPU second of the child, steadier on a shared
-   machine, where it counts the read-ahead thread and the decoding process too), peak resident memory (the child's
-   own ``VmHWM`` plus its decoding process's peak; where ``/proc`` is missing, ``ru_maxrss`` from ``os.wait4``,
-   which also counts this process's memory), the load
-   average and the CPU time the hypervisor gave other machines meanwhile (``steal %``, from ``/proc/stat``: on a
-   VM, a row measured while neighbours were busy is slow for reasons that are not the summariser's).
+3. runs ``scripts/summarize_trace.py TRACE --format json --parser P`` (the file, run as ``__main__``) in a child
+   process for each file and parser, checks its statistics against the generator's record (1e-6 s), and measures
+   the child's wall time, throughput (MB/s of uncompressed trace, 10^6 bytes; also per CPU second of the child and
+   any process it starts, steadier on a shared machine), peak resident memory (the child's own
+   ``VmHWM``, plus the peak of any process it starts, as 0.5.1 did to decode; where ``/proc`` is missing,
+   ``ru_maxrss`` from ``os.wait4``, which also counts this process's memory), the load average and the CPU time the
+   hypervisor gave other machines meanwhile (``steal %``, from ``/proc/stat``: on a VM, a row measured while
+   neighbours were busy is slow for reasons that are not the summariser's).
 
 It prints a markdown table, one row per shape, file and parser, and the slowest row::
 
     python -m benchmarks.bench_trace [--size_gb 1.0] [--shapes all|cuda-after,cuda-window-kineto,...]
-                                     [--parsers auto[,orjson,json,ijson]] [--output_dir DIR] [--keep false]
-                                     [--json_out FILE] [--repeat N]
+                                     [--parsers auto[,orjson,json]] [--output_dir DIR] [--keep false]
+                                     [--json_out FILE] [--repeat N] [--baseline FILE [--baseline_label NAME]]
 
 ``--parsers auto,orjson`` compares the standard library with the optional accelerator (``pip install orjson``).
+``--baseline /tmp/st_051/summarize_trace.py`` also times another copy of the summariser (e.g. ``git show
+v0.5.1:scripts/summarize_trace.py``), run in its child exactly as this one, on the same files, interleaved run by run
+(a ``version`` column labels the rows: ``new`` and ``--baseline_label``), so one table compares two versions measured
+in the same minutes.
 
-Without ``--output_dir`` the traces go to a temporary folder that is removed afterwards (unless ``--keep true``).
+Without ``--output_dir`` the traces go to a temporary folder that is removed afterwards (unless ``--keep true``); with
+it, they are kept with the generator's record (``SHAPE.expected.json``) and a later run of the same size reuses them.
 """
 
 from __future__ import annotations
@@ -169,6 +174,8 @@ SHAPES += ("mixed-after-compact", "mixed-before-compact")
 SHAPES += ("cuda-window-kineto", "hip-window-kineto", "cuda-window-kineto22", "hip-window-kineto22")
 SHAPES += ("mixed-window-jumble", "mixed-after-jumble")
 SMALL_TRACE_BYTES = 3_000_000
+SUMMARIZER = ROOT / "scripts" / "summarize_trace.py"
+PARSERS = ("auto", "orjson", "json")
 
 
 def main(
@@ -179,14 +186,23 @@ def main(
     keep: bool | str = False,
     json_out: str | None = None,
     repeat: int = 1,
+    baseline: str | None = None,
+    baseline_label: str = "baseline",
 ) -> None:
     """Check every shape against the full-load reference, then time the summariser on large traces; print a table.
 
     ``repeat`` runs each file and parser that many times, in rounds (every file and parser once, then again), and
     reports the fastest run with every run's MB/s beside it: on a shared VM whose speed changes from minute to minute
-    the fastest of a few runs measures the code, and the spread shows the machine."""
+    the fastest of a few runs measures the code, and the spread shows the machine. ``baseline``: another copy of
+    ``summarize_trace.py``, timed too (after each run of this one, on the same file and parser), its rows labelled
+    ``baseline_label``."""
     chosen = _split(shapes, SHAPES)
-    parser_list = _split(parsers, ("auto", "orjson", "json", "ijson"))
+    parser_list = _split(parsers, PARSERS)
+    versions = {"new": SUMMARIZER}
+    if baseline:
+        if not Path(baseline).is_file() or str(baseline_label) == "new":
+            raise SystemExit(f"bench_trace: --baseline {baseline} is not a file, or is labelled 'new'")
+        versions[str(baseline_label)] = Path(baseline).resolve()
     from scripts.config import as_bool
 
     keep = as_bool(keep, "keep")
@@ -196,19 +212,26 @@ def main(
     problems: list[str] = []
     try:
         for shape in chosen:
-            problems += [f"{shape} (small trace): {p}" for p in check_small(shape, folder, parser_list)]
-            rows += _bench_shape(shape, folder, int(size_gb * 1e9), parser_list, keep or bool(output_dir), int(repeat))
+            problems += [f"{shape} (small trace): {p}" for p in check_small(shape, folder, parser_list, versions)]
+            kept = keep or bool(output_dir)
+            rows += _bench_shape(shape, folder, int(size_gb * 1e9), parser_list, kept, int(repeat), versions)
     finally:
         if not keep and not output_dir:
             shutil.rmtree(folder, ignore_errors=True)
-    problems += [f"{r['shape']} {r['file']} {r['parser']}: {r['check']}" for r in rows if r["check"] != "ok"]
+    problems += [
+        f"{r['shape']} {r['file']} {r['parser']} {r['version']}: {r['check']}" for r in rows if r["check"] != "ok"
+    ]
     print(markdown_table(rows))
     if rows:
         slowest = min(rows, key=lambda r: r["mb_per_s"])
-        print(
-            f"\nslowest: {slowest['shape']} {slowest['file']} parser={slowest['parser']}: {slowest['mb_per_s']} MB/s; "
-            f"largest peak RSS {max(r['peak_rss_mb'] for r in rows)} MB; load average {_load()}"
-        )
+        for version in versions:
+            mine = [r for r in rows if r["version"] == version]
+            slowest = min(mine, key=lambda r: r["mb_per_s"])
+            print(
+                f"\nslowest{'' if len(versions) == 1 else ' of ' + version}: {slowest['shape']} {slowest['file']} "
+                f"parser={slowest['parser']}: {slowest['mb_per_s']} MB/s; largest peak RSS "
+                f"{max(r['peak_rss_mb'] for r in mine)} MB; load average {_load()}"
+            )
     if json_out:
         Path(json_out).write_text(json.dumps({"rows": rows, "problems": problems}, indent=2) + "\n")
     if problems:
@@ -216,42 +239,53 @@ def main(
         raise SystemExit(1)
 
 
-def check_small(shape: str, folder: Path, parsers: list[str]) -> list[str]:
-    """Write a small trace of ``shape``; compare the generator's record and the summariser with a full load."""
+def check_small(shape: str, folder: Path, parsers: list[str], versions: dict[str, Path] | None = None) -> list[str]:
+    """Write a small trace of ``shape``; compare the generator's record and the summariser (each version of it)
+    with a full load."""
     path = folder / f"small-{shape}.json"
     expected = write_trace(path, SMALL_TRACE_BYTES, shape)
     reference = reference_summary(path)
     problems = [f"generator: {p}" for p in compare(expected["sections"], reference)]
     for parser in parsers:
-        run = run_summarizer(path, parser)
-        if run["summary"] is None:
-            problems.append(f"parser={parser}: {run['stderr'].strip() or 'no output'}")
-        else:
-            problems += [f"parser={parser}: {p}" for p in compare(run["summary"]["sections"], reference)]
+        for version, script in (versions or {"new": SUMMARIZER}).items():
+            run = run_summarizer(path, parser, script)
+            if run["summary"] is None:
+                problems.append(f"{version} parser={parser}: {run['stderr'].strip() or 'no output'}")
+            else:
+                problems += [f"{version} parser={parser}: {p}" for p in compare(run["summary"]["sections"], reference)]
     path.unlink()
     return problems
 
 
 def _bench_shape(
-    shape: str, folder: Path, size: int, parsers: list[str], keep: bool, repeat: int = 1
+    shape: str,
+    folder: Path,
+    size: int,
+    parsers: list[str],
+    keep: bool,
+    repeat: int = 1,
+    versions: dict[str, Path] | None = None,
 ) -> list[dict[str, Any]]:
-    """Write the large trace of ``shape`` (.json and .json.gz) and time every parser on both files ``repeat`` times
-    (in rounds); a row per file and parser: its fastest run, every run's MB/s, and every run's check."""
+    """Write the large trace of ``shape`` (.json and .json.gz; kept ones reused) and time every parser of every
+    version on both files ``repeat`` times (in rounds, the versions one after the other on each file and parser); a
+    row per file, parser and version: its fastest run, every run's MB/s, and every run's check."""
     plain, packed = folder / f"{shape}.json", folder / f"{shape}.json.gz"
-    t0 = time.perf_counter()
-    expected = write_trace(plain, size, shape, gz_path=packed)
-    gen_s = time.perf_counter() - t0
-    runs: dict[tuple[Path, str], list[dict[str, Any]]] = {}
+    expected, gen_s = _large_trace(shape, plain, packed, size, keep)
+    runs: dict[tuple[Path, str, str], list[dict[str, Any]]] = {}
     try:
         for _ in range(max(1, repeat)):
             for path in (plain, packed):
                 for parser in parsers:
-                    run = run_summarizer(path, parser)
-                    got = run["summary"]
-                    problems = compare(got["sections"], expected["sections"]) if got else [run["stderr"].strip()[-300:]]
-                    row = _row(shape, path, plain.stat().st_size, expected, run, problems, gen_s)
-                    runs.setdefault((path, parser), []).append(row)
-                    print(_row_line(row), flush=True)
+                    for version, script in (versions or {"new": SUMMARIZER}).items():
+                        run = run_summarizer(path, parser, script)
+                        got = run["summary"]
+                        problems = (
+                            compare(got["sections"], expected["sections"]) if got else [run["stderr"].strip()[-300:]]
+                        )
+                        row = _row(shape, path, plain.stat().st_size, expected, run, problems, gen_s)
+                        row["version"] = version
+                        runs.setdefault((path, parser, version), []).append(row)
+                        print(_row_line(row), flush=True)
     finally:
         if not keep:
             plain.unlink(missing_ok=True)
@@ -264,6 +298,25 @@ def _bench_shape(
         best["check"] = failed[0] if failed else "ok"
         rows.append(best)
     return rows
+
+
+def _large_trace(shape: str, plain: Path, packed: Path, size: int, keep: bool) -> tuple[dict[str, Any], float]:
+    """Write the large trace of ``shape`` (and its gzip), or reuse the kept ones of the same size; the generator's
+    record and the seconds it took to write them."""
+    record = plain.with_name(f"{shape}.expected.json")
+    if keep and record.is_file() and plain.is_file() and packed.is_file():
+        saved = json.loads(record.read_text())
+        if saved["size"] == size and saved["files"] == [plain.stat().st_size, packed.stat().st_size]:
+            print(f"bench_trace: reusing {plain} and {packed.name}", flush=True)
+            return saved["expected"], saved["generate_s"]
+    record.unlink(missing_ok=True)
+    t0 = time.perf_counter()
+    expected = write_trace(plain, size, shape, gz_path=packed)
+    gen_s = time.perf_counter() - t0
+    if keep:  # written last: its presence says both files are whole
+        files = [plain.stat().st_size, packed.stat().st_size]
+        record.write_text(json.dumps({"size": size, "files": files, "expected": expected, "generate_s": gen_s}))
+    return expected, gen_s
 
 
 def _row(
@@ -297,24 +350,30 @@ def _row_line(row: dict[str, Any]) -> str:
     """One progress line for a result row."""
     return (
         f"bench_trace: {row['shape']} {row['file']} ({row['trace_bytes'] / 1e9:.2f} GB, {row['events']} events, "
-        f"{row['kernels']} kernels) parser={row['parser']}: {row['wall_s']} s, {row['mb_per_s']} MB/s, "
+        f"{row['kernels']} kernels) {row.get('version', 'new')} parser={row['parser']}: {row['wall_s']} s, "
+        f"{row['mb_per_s']} MB/s, "
         f"{row['mb_per_cpu_s']} MB per CPU s, peak RSS {row['peak_rss_mb']} MB, load {row['load']}, "
         f"steal {row['steal_pct']} %, check {row['check']}"
     )
 
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:
-    """The rows as a markdown table (shape, file, parser, GB, s, MB/s, MB per CPU second, peak RSS MB, load, steal %,
-    check)."""
+    """The rows as a markdown table (shape, file, parser, version where there are several, GB, s, MB/s, MB per CPU
+    second, peak RSS MB, load, steal %, check, and every run's MB/s where there are several)."""
     several = any(len(r.get("runs_mb_per_s", [])) > 1 for r in rows)
+    versions = len({r.get("version", "new") for r in rows}) > 1
     lines = [
-        "| shape | file | parser | trace GB | s | MB/s | MB per CPU s | peak RSS MB | load | steal % | check |"
+        "| shape | file | parser |"
+        + (" version |" if versions else "")
+        + " trace GB | s | MB/s | MB per CPU s | peak RSS MB | load | steal % | check |"
         + (" MB/s of each run |" if several else ""),
-        "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if several else ""),
+        "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if versions else "") + ("---|" if several else ""),
     ]
     for r in rows:
         lines.append(
-            f"| {r['shape']} | {r['file']} | {r['parser']} | {r['trace_bytes'] / 1e9:.2f} | {r['wall_s']} | "
+            f"| {r['shape']} | {r['file']} | {r['parser']} |"
+            + (f" {r.get('version', 'new')} |" if versions else "")
+            + f" {r['trace_bytes'] / 1e9:.2f} | {r['wall_s']} | "
             f"{r['mb_per_s']} | {r['mb_per_cpu_s']} | {r['peak_rss_mb']} | {r['load']} | {r.get('steal_pct')} | "
             f"{r['check']} |" + (f" {', '.join(map(str, r.get('runs_mb_per_s', [])))} |" if several else "")
         )
@@ -1065,14 +1124,15 @@ def _stats(values_us: list[float]) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------------------------ runner
-# The child reports its own peak RSS (VmHWM, of the process image after exec): ru_maxrss from wait4 would include
-# the memory of this (larger) benchmark process, which the child borrows between fork and exec. It adds the peak of
-# the process it starts to decode events (ru_maxrss of its own children): the sum bounds what both held at once.
+# The child runs a summariser file as __main__ (this bundle's, or a baseline copy, the same way) and reports its own
+# peak RSS (VmHWM, of the process image after exec): ru_maxrss from wait4 would include the memory of this (larger)
+# benchmark process, which the child borrows between fork and exec. It adds the peak of any process it started
+# (ru_maxrss of its children; 0.5.1 decoded events in a second one): the sum bounds what both held at once.
 _CHILD = """
 import resource, runpy, sys
 sys.argv = sys.argv[1:]
 try:
-    runpy.run_module("scripts.summarize_trace", run_name="__main__", alter_sys=True)
+    runpy.run_path(sys.argv[0], run_name="__main__")
 finally:
     try:
         with open("/proc/self/status") as status:
@@ -1084,9 +1144,11 @@ finally:
 """
 
 
-def run_summarizer(trace: Path, parser: str) -> dict[str, Any]:
-    """Run the CLI in a child process; its wall time, peak RSS (KiB) and parsed JSON output."""
-    cmd = [sys.executable, "-c", _CHILD, "summarize_trace", str(trace), "--format", "json", "--parser", parser]
+def run_summarizer(trace: Path, parser: str, script: Path | None = None) -> dict[str, Any]:
+    """Run the CLI of ``script`` (this bundle's summariser by default) in a child process; its wall time, peak RSS
+    (KiB) and parsed JSON output."""
+    script = str(script or SUMMARIZER)
+    cmd = [sys.executable, "-c", _CHILD, script, str(trace), "--format", "json", "--parser", parser]
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         steal0 = _cpu_jiffies()
         t0 = time.perf_counter()

@@ -18,30 +18,26 @@ Output: for every ``record_function`` range named ``__sec:<name>`` (``step``, ``
   ``sources`` in the summary says which was used. GPU-timeline copies of the ranges (``gpu_user_annotation``) are
   ignored. Correlation ids are assumed unique within the trace (one process per trace, as torch writes them).
 
-Memory: one pass keeps the section ranges (few) and, per launch and per kernel, only a few numbers in typed arrays
-(20 and 24 bytes); ranges and kernels may come in any order in the file. The launch-to-kernel join uses a table
-indexed by correlation id (4 bytes an id), not a dict.
+What is kept: :data:`KINDS`, one table, declares every kind of event the summary is made of (section ranges,
+launches, kernels): what it is kept for, the literal the text of every such event holds, and the numbers kept of it
+(doubles, in one flat array per kind: 24 bytes a launch or kernel). One pass; events may come in any order.
 
-Parsing (``parser``): ``"auto"`` (default, standard library) reads text in 1 MiB chunks and skims it, whatever the
-layout and however layouts are mixed in one file (kineto's templates of any year, one event a line, keys sharing
-lines, indented): each chunk is searched once, in C, for the text between two events (``}``, comma, ``{`` and a key),
-for objects opened inside lists (which could be events' args rather than events), and for the literals that an event
-that can matter must hold (``"correlation"``, ``"__sec:``, or any backslash escape). Events between two such
-boundaries are counted without being decoded; those holding a literal are decoded from their exact text by the C
-scanner of :mod:`json`; an event whose text is ambiguous (a list of objects inside it, or such text in its strings) is
-decoded by that scanner on its own, and counting goes on after it. No text is searched or decoded more than a
-constant number of times (:class:`_ArrayReader`; ``work`` counts it). ``"json"`` decodes every event. ``"orjson"``
-(optional: ``pip install orjson``) skims the same way but decodes the picked events with orjson, about 3x faster than
-the json scanner, to the same values. ``"ijson"`` uses ``ijson.items`` where that package is installed. The file is
-read (and inflated) by a read-ahead thread. On a trace of 8 MiB or more with two CPUs free, the picked events are
-decoded by a second process (this file run again, fed through a pipe) while this one reads and skims: the two halves
-of the work overlap, and the summary is the same (``decode_process``). Two CPUs free: :func:`usable_cpus`, the
-affinity mask and any cgroup CPU quota (a container limited to one CPU keeps one process).
-``python -m benchmarks.bench_trace`` measures every shape. Skipped events are not validated; truncation is always
-detected, since the last events and the closing bracket go through the checked parser.
+Parsing (``parser``), in one process: ``"auto"`` (default, standard library) reads text in 1 MiB chunks and skims
+it, whatever the layout and however layouts are mixed in one file (kineto's templates of any year, one event a line,
+keys sharing lines, indented): each chunk is searched once, in C, for the text between two events (``}``, comma,
+``{`` and a key), for objects opened inside lists (which could be events' args rather than events), and for the
+kinds' literals (and any backslash escape). Events between two such boundaries are counted without being decoded;
+those holding a literal are decoded from their exact text by the C scanner of :mod:`json`; an event whose text is
+ambiguous (a list of objects inside it, or such text in its strings) is decoded by that scanner on its own, and
+counting goes on after it. No text is searched or decoded more than a constant number of times
+(:class:`_ArrayReader`; ``work`` counts it). ``"orjson"`` (optional: ``pip install orjson``) skims the same way but
+decodes the picked events with orjson, about 3x faster than the json scanner, to the same values. ``"json"`` decodes
+and so checks every event (slower). The file is read and inflated in the parser's thread. Skipped events are not
+validated; truncation is always detected, since the last events and the closing bracket go through the checked
+parser. ``python -m benchmarks.bench_trace`` measures every shape.
 
-Standalone: standard library only (``fire`` is used when installed; ``orjson`` and ``ijson`` when installed and asked
-for), nothing from the bundle, no torch, so it runs on a laptop next to a trace copied from a cluster::
+Standalone: standard library only (``fire`` is used when installed, ``orjson`` when installed and asked for),
+nothing from the bundle, no torch, so it runs on a laptop next to a trace copied from a cluster::
 
     python -m scripts.summarize_trace runs/profile/trace.json.gz [--format json]
     python summarize_trace.py trace.json            # the file copied anywhere
@@ -50,36 +46,20 @@ for), nothing from the bundle, no torch, so it runs on a laptop next to a trace 
 from __future__ import annotations
 
 import bisect
-import contextlib
+import functools
 import gzip
-import io
 import json
-import logging
-import math
 import operator
-import os
-import pickle
-import queue
 import re
 import statistics
-import struct
-import subprocess
 import sys
-import threading
 import zipfile
 import zlib
 from array import array
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, BinaryIO, NoReturn
-
-try:
-    import fcntl
-except ImportError:  # pragma: no cover - not Unix
-    fcntl = None  # type: ignore[assignment]
-
-logger = logging.getLogger(__name__)
+from typing import Any, BinaryIO, NamedTuple, NoReturn
 
 SECTION_PREFIX = "__sec:"
 #: Row order of the table; other sections follow alphabetically.
@@ -116,18 +96,15 @@ HIP_LAUNCH_NAMES = frozenset(
     }
 )
 LAUNCH_NAMES = CUDA_LAUNCH_NAMES | HIP_LAUNCH_NAMES
-PARSERS = ("auto", "json", "orjson", "ijson")
+PARSERS = ("auto", "orjson", "json")
+#: What ``summarize(..., work=dict)`` counts, in bytes of (uncompressed) trace: ``read`` from the file, ``indexed``
+#: (searched for boundaries, taints and markers), ``decoded`` (handed to a decoder); and ``fills`` (buffer refills).
+WORK_KEYS = ("read", "indexed", "decoded", "fills")
 
 # API-version and per-thread-stream suffixes some tracers keep: cudaLaunchKernel_v7000, cudaLaunchKernel_ptsz.
 _NAME_SUFFIX = re.compile(r"(?:_v\d+|_ptsz|_ptds|_spt)+$")
 _NON_WS = re.compile(r"[^ \t\n\r]")
 _SEPARATOR = re.compile(r"[ \t\n\r]*,[ \t\n\r]*")
-# Literals in the text of every event that can matter: a kernel or a launch is kept only with its args' correlation id,
-# a section by its name; and a backslash, so that an event whose strings hold escapes (a key or a name could be written
-# with \u escapes) is decoded too. Over-matching is harmless (copies and other runtime calls carry a correlation id
-# too): every decoded event is filtered as usual. One literal for kernels and launches, rather than "kernel" and
-# "Launch", is one search of the text less.
-_MARKERS = ('"correlation"', '"__sec:', "\\")
 # Two consecutive objects of one list: '}', a comma, '{' (group 1) and a key starting with a letter (see _ArrayReader).
 _BOUNDARY = re.compile(r'\}[ \t\n\r]*+,[ \t\n\r]*+(\{)[ \t\n\r]*+"[A-Za-z_]')
 # An object opened as a list element: a '{' after a comma or a '[' (whitespace between); after 9 or more whitespace
@@ -140,86 +117,168 @@ _OBJECT_IN_LIST = re.compile(
 )
 _CHUNK_CHARS = 1 << 20  # characters (bytes) read per refill of the event scanner
 _BOM = "\xef\xbb\xbf"  # UTF-8's byte order mark, read as Latin-1
-_READ_AHEAD = 4  # chunks read (and inflated) ahead of the parser
-_SWITCH_INTERVAL_S = 0.0001  # while reading: how soon the read-ahead thread gets the GIL back from the parser
-_GZIP_READ = 1 << 18  # compressed bytes read at a time
-_INFLATE_CHUNK = 1 << 22  # inflated bytes per zlib call: the thread takes the GIL once per chunk
 _MAX_PENDING_CHARS = 1 << 26  # one event larger than this is treated as malformed JSON
-_BATCH_CHARS = 1 << 20  # event text sent to the decoding process at a time
-_BATCHES_AHEAD = 8  # batches waiting for the decoding process (bounded memory)
-#: Traces of at least this many bytes of JSON (uncompressed) are decoded in a second process when two CPUs are free:
-#: below it, starting the process (~0.1 s) costs more than it saves.
-DECODE_PROCESS_MIN_BYTES = 8 << 20
-#: What ``summarize(..., work=dict)`` counts, in bytes of (uncompressed) trace: ``read`` from the file, ``indexed``
-#: (searched for boundaries, taints and markers), ``decoded`` (handed to a decoder); and ``fills``
-#: (buffer refills).
-WORK_KEYS = ("read", "indexed", "decoded", "fills")
 
 
 class TraceError(ValueError):
     """The trace cannot be summarised; the message names the file and says why."""
 
 
-def summarize(
-    path: str | Path, parser: str = "auto", work: dict[str, int] | None = None, decode_process: bool | None = None
-) -> dict[str, Any]:
+# ------------------------------------------------------------------------------------------------- kinds of event
+class Kind(NamedTuple):
+    """One kind of event the summary is made of: a row of :data:`KINDS`."""
+
+    kept_for: str  # what the summary uses it for
+    marker: str  # a literal the text of every such event holds: the skimmer decodes only events holding a marker
+    fields: tuple[str, ...]  # the numbers kept of each event, in this order, as doubles
+    row: Callable[[dict, dict], tuple[float, ...] | None]  # them (None: not this kind), from a decoded "X" event
+
+
+# Correlation ids are kept as doubles: exact below 2**53 (CUDA's and HIP's are 32-bit); a kernel or launch whose id is
+# not positive, or not below that, is dropped (ValueError), as is any event without a field its kind needs.
+_MAX_CORRELATION = 1 << 53
+
+
+def _kernel_row(ev: dict, numbers: dict) -> tuple[float, ...] | None:
+    """(correlation, start, end) of a kernel (``cat == "kernel"``)."""
+    if ev.get("cat") != "kernel":
+        return None
+    corr, ts = int(ev["args"]["correlation"]), float(ev["ts"])
+    if not 0 < corr < _MAX_CORRELATION:
+        raise ValueError(corr)
+    return corr, ts, ts + float(ev["dur"])
+
+
+@functools.lru_cache(maxsize=1024)
+def _is_suffixed_launch(name: str) -> bool:
+    """Whether ``name`` is a launch once API-version and stream suffixes are dropped."""
+    return "_" in name and _NAME_SUFFIX.sub("", name) in LAUNCH_NAMES
+
+
+def _launch_row(ev: dict, numbers: dict) -> tuple[float, ...] | None:
+    """(thread number, ts, correlation) of a launch: a runtime call named in :data:`LAUNCH_NAMES` (or with a suffix)."""
+    name = ev.get("name")
+    if name not in LAUNCH_NAMES and not (name.startswith(("cu", "hip")) and _is_suffixed_launch(name)):
+        return None
+    corr, ts, thread = int(ev["args"]["correlation"]), float(ev["ts"]), (ev.get("pid"), ev.get("tid"))
+    if not 0 < corr < _MAX_CORRELATION:
+        raise ValueError(corr)
+    return numbers.setdefault(thread, len(numbers)), ts, corr
+
+
+def _section_row(ev: dict, numbers: dict) -> tuple[float, ...] | None:
+    """(section-name number, thread number, ts, dur) of a ``__sec:`` range on the CPU timeline (a thread and a
+    name are numbered in ``numbers`` when first seen)."""
+    name = ev.get("name")
+    if not name.startswith(SECTION_PREFIX) or str(ev.get("cat", "")).startswith("gpu_"):
+        return None
+    ts, dur, thread = float(ev["ts"]), float(ev["dur"]), (ev.get("pid"), ev.get("tid"))
+    section = numbers.setdefault(name[len(SECTION_PREFIX) :], len(numbers))
+    return section, numbers.setdefault(thread, len(numbers)), ts, dur
+
+
+#: Every kind of event the summary is made of. Each decoded ``"ph": "X"`` event goes to the first kind whose ``row``
+#: takes it (an event without a field its kind needs is dropped). The skimmer decodes only the events whose text
+#: holds a kind's ``marker`` (or a backslash escape): :func:`_markers` derives them from this table, so a new kind is
+#: one entry here, and its use in :func:`_resolve`.
+KINDS = {
+    "kernel": Kind(
+        "forward/backward's accelerator time: first start to last end of the kernels their launches started",
+        '"correlation"',  # a kernel is kept only with its args' correlation id
+        ("correlation", "start", "end"),
+        _kernel_row,
+    ),
+    "launch": Kind(
+        "ties each kernel (by correlation id) to the range instance whose thread launched it within its time",
+        '"correlation"',  # so is a launch: one search finds both (copies carry one too: decoded, then dropped)
+        ("thread", "ts", "correlation"),
+        _launch_row,
+    ),
+    "section": Kind(
+        "the ranges timed: every instance's CPU duration, or the span of its kernels",
+        '"__sec:',
+        ("section", "thread", "ts", "dur"),
+        _section_row,
+    ),
+}
+
+
+def _markers() -> tuple[str, ...]:
+    """The literals the skimmer searches for: each kind's marker, and a backslash, so that an event whose strings
+    hold escapes (a key or a name could be written with \\u escapes) is decoded too. Over-matching is harmless: every
+    decoded event goes through the kinds' rows."""
+    return (*dict.fromkeys(kind.marker for kind in KINDS.values()), "\\")
+
+
+class _Collected:
+    """What one pass keeps: per kind, the rows of its events in one flat array; the numbers that stand for threads
+    and section names in them; the top-level keys other than ``traceEvents``; events decoded and skipped."""
+
+    def __init__(self) -> None:
+        self.rows = {name: array("d") for name in KINDS}
+        self.numbers: dict[Any, int] = {}  # a thread's (pid, tid) or a section's name -> its number
+        self.meta: dict[str, Any] = {}
+        self.decoded = self.skipped = 0
+        self.skimmed = False  # some events were counted without being decoded
+        self.add = self._adder()
+
+    def columns(self, kind: str) -> list[array]:
+        """The kept numbers of every event of ``kind``, one array per field of :data:`KINDS`."""
+        width = len(KINDS[kind].fields)
+        return [self.rows[kind][i::width] for i in range(width)]
+
+    def count(self, kind: str) -> int:
+        """How many events of ``kind`` were kept."""
+        return len(self.rows[kind]) // len(KINDS[kind].fields)
+
+    def _adder(self) -> Callable[[Any], None]:
+        """A function that keeps the row of one decoded event, from the first kind that takes it."""
+        kinds, numbers = [(kind.row, self.rows[name].extend) for name, kind in KINDS.items()], self.numbers
+
+        def add(ev: Any) -> None:
+            """Keep the event's row (ignoring events of no kind, and those without the fields their kind needs)."""
+            try:
+                if ev.get("ph") != "X":
+                    return
+                for row_of, keep in kinds:
+                    row = row_of(ev, numbers)
+                    if row is not None:
+                        keep(row)
+                        return
+            except (AttributeError, KeyError, TypeError, ValueError, OverflowError):
+                return
+
+        return add
+
+
+# ------------------------------------------------------------------------------------------------------ interface
+def summarize(path: str | Path, parser: str = "auto", work: dict[str, int] | None = None) -> dict[str, Any]:
     """Statistics per ``__sec:`` section of the trace at ``path``.
 
     Returns ``{"sections": {name: {"count", "min_s", "mean_s", "median_s", "max_s"}}, "sources": {name:
     "kernels" | "cpu" | "mixed"}, "trace": str, "events": int, "launches": int, "kernels": int, "parser": str}``
     plus ``"devices"`` (GPU names) when the trace records them. ``sections`` is ordered as :data:`SECTION_ORDER`.
-    ``work``, a dict, receives what reading cost (:data:`WORK_KEYS`; the json parsers): linear in the file's size
-    whatever its layout. ``decode_process``: decode the picked events in a second process while this one reads and
-    skims (``None``: for traces of :data:`DECODE_PROCESS_MIN_BYTES` or more, uncompressed, when two CPUs are free;
-    the summary is the same either way). Raises :class:`TraceError` for a missing, empty, truncated or non-trace
-    file, or one without sections.
+    ``work``, a dict, receives what reading cost (:data:`WORK_KEYS`): linear in the file's size whatever its layout.
+    Raises :class:`TraceError` for a missing, empty, truncated or non-trace file, or one without sections.
     """
     path = Path(path)
     if parser not in PARSERS:
         raise TraceError(f"{path}: unknown parser {parser!r}; use one of {', '.join(PARSERS)}")
-    skim = parser in ("auto", "orjson")
     fast = _accelerator(path) if parser == "orjson" else None
-    if decode_process is None:
-        decode_process = skim and usable_cpus() >= 2 and _text_size(path) >= DECODE_PROCESS_MIN_BYTES
-    if decode_process and skim:
-        try:
-            return _summarize(path, parser, work, fast, _DecodeProcess.start(path, fast is not None))
-        except _DecodeProcessFailed as exc:
-            logger.warning("%s; decoding in this process instead", exc)
-    return _summarize(path, parser, work, fast, None)
-
-
-def _summarize(
-    path: Path, parser: str, work: dict[str, int] | None, fast: Any, process: _DecodeProcess | None
-) -> dict[str, Any]:
-    """:func:`summarize` with the events decoded here (``process`` None) or by ``process``."""
     collected = _Collected()
-    state = _ReadState(collected, skim=parser in ("auto", "orjson"), work=work)
-    state.fast = fast
+    work = work if work is not None else {}
+    work.update(dict.fromkeys(WORK_KEYS, 0))
     try:
-        if parser == "ijson":
-            for event in _iter_events_ijson(path):
-                state.add(event)
-                state.decoded += 1
-        else:
-            with contextlib.ExitStack() as stack:
-                if process is not None:
-                    stack.enter_context(process)
-                    state.decoder = process
-                    state.add = process.add
-                with _open_text(path) as stream:
-                    _read_events_json(stream, path, state)
-                if process is not None:
-                    collected = process.finish()
-            parser = ("orjson" if state.fast else "json") + ("-skim" if state.skimmed else "")
-        collected.events = state.decoded + state.skipped
+        with _open_binary(path) as stream:
+            _read_events_json(_Scanner(stream, path, work), collected, fast, skim=parser != "json")
     except (OSError, EOFError, zlib.error, zipfile.BadZipFile) as exc:
         raise TraceError(f"{path}: cannot read: {exc}") from exc
-    if collected.events == 0:
+    events = collected.decoded + collected.skipped
+    if events == 0:
         raise TraceError(f"{path}: no trace events (an empty traceEvents list)")
-    if not collected.ranges:
+    if not collected.count("section"):
         raise TraceError(
-            f"{path}: no '{SECTION_PREFIX}' ranges among {collected.events} events; was it profiled with the "
+            f"{path}: no '{SECTION_PREFIX}' ranges among {events} events; was it profiled with the "
             f"bundle's record_function sections ({', '.join(SECTION_PREFIX + s for s in SECTION_ORDER)})?"
         )
     durations, sources = _resolve(collected)
@@ -227,12 +286,12 @@ def _summarize(
         "sections": {name: _stats(durations[name]) for name in _ordered(durations)},
         "sources": {name: sources[name] for name in _ordered(durations)},
         "trace": str(path),
-        "events": collected.events,
-        "launches": len(collected.launch_ts),
-        "kernels": len(collected.kernel_corr),
-        "parser": parser,
+        "events": events,
+        "launches": collected.count("launch"),
+        "kernels": collected.count("kernel"),
+        "parser": ("orjson" if fast else "json") + ("-skim" if collected.skimmed else ""),
     }
-    devices = _device_names(state.meta.get("deviceProperties"))
+    devices = _device_names(collected.meta.get("deviceProperties"))
     if devices:
         summary["devices"] = devices
     return summary
@@ -252,22 +311,15 @@ def format_table(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(trace: str, format: str = "text", parser: str = "auto", decode_process: bool | None = None) -> None:
+def main(trace: str, format: str = "text", parser: str = "auto") -> None:
     """Print the per-section statistics of TRACE (.json, .json.gz or .zip) as a table (``text``) or ``json``.
 
     ``--parser``: ``auto`` (standard library, the default), ``orjson`` (the same skim, events decoded by the optional
-    orjson package: faster), ``json`` (every event decoded) or ``ijson``. ``--decode_process``: decode the picked
-    events in a second process (default: for traces of 8 MiB or more, uncompressed, when two CPUs are free;
-    ``false`` keeps it to one process)."""
-    trace = str(trace)
+    orjson package: faster) or ``json`` (every event decoded and checked: slower)."""
     if format not in ("text", "json"):
         _fail(f"--format must be 'text' or 'json', not {format!r}")
-    if isinstance(decode_process, str) and decode_process.lower() in ("true", "false"):
-        decode_process = decode_process.lower() == "true"  # fire reads True/False as bools, true/false as strings
-    if decode_process is not None and not isinstance(decode_process, bool):
-        _fail(f"--decode_process must be true or false, not {decode_process!r}")
     try:
-        summary = summarize(trace, parser=parser, decode_process=decode_process)
+        summary = summarize(str(trace), parser=parser)
     except TraceError as exc:
         _fail(str(exc))
     print(json.dumps(summary, indent=2) if format == "json" else format_table(summary))
@@ -279,7 +331,7 @@ def _fail(message: str) -> NoReturn:
     raise SystemExit(2)
 
 
-# ----------------------------------------------------------------------------------------------------------- reading
+# -------------------------------------------------------------------------------------------------------- reading
 @contextmanager
 def _open_binary(path: Path) -> Iterator[BinaryIO]:
     """The decompressed JSON bytes of ``path``; plain, gzip or a zip with one ``.json`` member (read-only)."""
@@ -303,115 +355,14 @@ def _open_binary(path: Path) -> Iterator[BinaryIO]:
             yield raw
 
 
-@contextmanager
-def _open_text(path: Path) -> Iterator[io.TextIOWrapper]:
-    """The text of ``path`` byte for byte (as Latin-1: one character a byte, so every string operation runs on
-    one-byte characters however much non-ASCII text the trace holds; :func:`_utf8` decodes what is kept);
-    read ahead by a thread (and inflated there when compressed).
-
-    While the file is read, the interpreter's switch interval is :data:`_SWITCH_INTERVAL_S` (restored after): at
-    the default 5 ms the reading thread waited that long for the GIL each time it came back from zlib or the disk,
-    and the parser then waited for text (1 GB gzipped, mixed-after: 87.0 -> 104.9 MB/s with orjson)."""
-    with _open_binary(path) as stream:
-        if isinstance(stream, gzip.GzipFile):  # its file (not read yet), inflated in long zlib calls: _inflate
-            ahead = _ReadAhead(_inflate(stream.fileobj, _INFLATE_CHUNK))
-        else:
-            ahead = _ReadAhead(iter(lambda: stream.read(_INFLATE_CHUNK), b""))
-        text = io.TextIOWrapper(io.BufferedReader(ahead, _CHUNK_CHARS), encoding="latin-1", newline="")
-        switch = sys.getswitchinterval()
-        sys.setswitchinterval(_SWITCH_INTERVAL_S)
-        try:
-            yield text
-        finally:
-            sys.setswitchinterval(switch)
-            text.detach()
-            ahead.stop()
-
-
-def _inflate(raw: BinaryIO, size: int) -> Iterator[bytes]:
-    """The inflated bytes of a gzip file (every member; zero padding between members skipped, as :mod:`gzip`
-    does), at most ``size`` bytes a chunk.
-
-    Each zlib call turns up to :data:`_GZIP_READ` compressed bytes into up to ``size`` bytes, taking the GIL back
-    only a few times per call (zlib releases it while it inflates). ``GzipFile`` feeds zlib 8 KiB at a time, so its
-    thread had to win the GIL back from the parser every ~150 KB of output, up to a 5 ms switch interval each time,
-    and the parser waited for text: on 1 GB gzipped traces this reader is 7-12 % faster (docs/performance.md)."""
-    inflater, started, data, full = zlib.decompressobj(31), False, b"", False
-    while True:
-        if not started:
-            data = data.lstrip(b"\0")
-        if not data and not full:
-            data = raw.read(_GZIP_READ)
-            if not data:
-                if started and not inflater.eof:
-                    raise EOFError("the gzip stream ends before its end-of-stream marker")
-                return
-            continue
-        out = inflater.decompress(data, size)
-        started, full, data = True, len(out) == size, inflater.unconsumed_tail
-        if out:
-            yield out
-        if inflater.eof:  # the next member, if any, starts in the bytes after this one
-            data, full = inflater.unused_data + data, False
-            inflater, started = zlib.decompressobj(31), False
-
-
-class _ReadAhead(io.RawIOBase):
-    """Bytes made by a thread (a file inflated) while the caller parses.
-
-    zlib releases the GIL, so on two cores decompression costs the parser little. At most :data:`_READ_AHEAD`
-    chunks wait; an error in the thread is raised in the reader's.
-    """
-
-    def __init__(self, chunks: Iterator[bytes]) -> None:
-        super().__init__()
-        self.chunks: queue.Queue[bytes | BaseException] = queue.Queue(_READ_AHEAD)
-        self.rest, self.done, self.halt = memoryview(b""), False, threading.Event()
-        self.thread = threading.Thread(target=self._run, args=(chunks,), daemon=True)
-        self.thread.start()
-
-    def _run(self, chunks: Iterator[bytes]) -> None:
-        """Thread body: put chunks into the queue until the end (an empty chunk), an error (queued too) or
-        :meth:`stop`."""
-        try:
-            for data in chunks:
-                if self.halt.is_set():
-                    return
-                self.chunks.put(data)
-            self.chunks.put(b"")
-        except Exception as exc:  # handed to the reading thread, which raises it
-            self.chunks.put(exc)
-
-    def readable(self) -> bool:
-        """Always: this stream is for reading."""
-        return True
-
-    def readinto(self, buffer: Any) -> int:
-        """Copy the next bytes into ``buffer``; 0 at the end of the stream."""
-        while not self.rest and not self.done:
-            item = self.chunks.get()
-            if isinstance(item, BaseException):
-                self.done = True
-                raise item
-            self.rest, self.done = memoryview(item), not item
-        n = min(len(buffer), len(self.rest))
-        buffer[:n] = self.rest[:n]
-        self.rest = self.rest[n:]
-        return n
-
-    def stop(self) -> None:
-        """End the thread (before the stream under it is closed)."""
-        self.halt.set()
-        while self.thread.is_alive():
-            with contextlib.suppress(queue.Empty):
-                self.chunks.get(timeout=0.05)  # unblocks a thread waiting to put
-        self.thread.join()
-
-
 class _Scanner:
-    """Walks a JSON text one value at a time with the C scanner of :mod:`json`, refilling a bounded buffer."""
+    """Walks a JSON text one value at a time with the C scanner of :mod:`json`, refilling a bounded buffer.
 
-    def __init__(self, stream: io.TextIOWrapper, path: Path, work: dict[str, int]) -> None:
+    The text is the file's bytes read as Latin-1 (one character a byte, so every string operation runs on one-byte
+    characters however much non-ASCII text the trace holds; :func:`_utf8` decodes what is kept), read and inflated
+    in the caller's thread (a read-ahead thread was slower at the interpreter's GIL switch interval)."""
+
+    def __init__(self, stream: BinaryIO, path: Path, work: dict[str, int]) -> None:
         self.stream, self.path, self.work = stream, path, work
         self.buf, self.pos, self.base, self.eof = "", 0, 0, False
         self.generation = 0  # counts refills: an index of ``buf`` is valid while this is unchanged
@@ -424,7 +375,7 @@ class _Scanner:
         as often as the buffer doubles: its cost stays linear in its length."""
         if self.eof:
             return False
-        data = self.stream.read(max(_CHUNK_CHARS, len(self.buf) - self.pos))
+        data = self.stream.read(max(_CHUNK_CHARS, len(self.buf) - self.pos)).decode("latin-1")
         if not data:
             self.eof = True
             return False
@@ -490,28 +441,9 @@ class _Scanner:
         return TraceError(f"{self.path}: malformed JSON ({detail})")
 
 
-class _ReadState:
-    """The event reader's settings and tallies: where events go, top-level keys, events decoded and skipped, and
-    the work done (bytes read, indexed and handed to a decoder; refills)."""
-
-    def __init__(self, collected: _Collected, skim: bool, work: dict[str, int] | None = None) -> None:
-        self.collected = collected
-        self.add = _adder(collected)  # takes one decoded event
-        self.skim = skim  # allowed to skip events that cannot matter
-        self.fast: Any = None  # the accelerator's decoder of one event's text, if any
-        self.decoder: Any = _LocalDecoder(self)  # decodes the texts of the picked events (or a _DecodeProcess)
-        self.skimmed = False  # it did
-        self.decoded = self.skipped = 0
-        self.meta: dict[str, Any] = {}
-        self.work = work if work is not None else {}
-        for key in WORK_KEYS:
-            self.work[key] = 0
-
-
-def _read_events_json(stream: io.TextIOWrapper, path: Path, state: _ReadState) -> None:
-    """Hand the trace events to ``state.add`` one by one; top-level keys other than ``traceEvents`` go to
-    ``state.meta``."""
-    sc = _Scanner(stream, path, state.work)
+def _read_events_json(sc: _Scanner, out: _Collected, fast: Any, skim: bool) -> None:
+    """Hand the trace events to ``out.add``; top-level keys other than ``traceEvents`` go to ``out.meta``."""
+    path = sc.path
     while len(sc.buf) < len(_BOM) and sc.fill():
         pass
     if sc.buf.startswith(_BOM):
@@ -520,7 +452,7 @@ def _read_events_json(stream: io.TextIOWrapper, path: Path, state: _ReadState) -
     if first == "":
         raise TraceError(f"{path}: empty file (no JSON in it)")
     if first == "[":
-        _ArrayReader(sc, state).read()
+        _ArrayReader(sc, out, fast, skim).read()
     elif first == "{":
         sc.pos += 1
         found = False
@@ -536,9 +468,9 @@ def _read_events_json(stream: io.TextIOWrapper, path: Path, state: _ReadState) -
                     if sc.peek() != "[":
                         raise TraceError(f"{path}: not a chrome trace: 'traceEvents' is not a list")
                     found = True
-                    _ArrayReader(sc, state).read()
+                    _ArrayReader(sc, out, fast, skim).read()
                 else:
-                    state.meta[key] = sc.value()
+                    out.meta[key] = sc.value()
                 if sc.expect(",}", "in the top-level object") == "}":
                     break
         if not found:
@@ -563,23 +495,24 @@ class _ArrayReader:
     than the boundaries' own (a *taint*; one inside a string only costs a decode).
 
     Each buffer is indexed once, in C (:meth:`_index`): boundaries, taints, and the events holding a marker
-    (:data:`_MARKERS`). Clean events are counted without being decoded; events with a marker are decoded from their
-    exact text (orjson, or the json scanner, which must end exactly at the boundary); an element with a taint, or
-    without a boundary after it in the buffer, is decoded by the json scanner on its own, and counting resumes at the
-    next element. Only the unfinished event carried into the next buffer is indexed again, and a buffer grows by at
-    least what it carries, so the work is linear in the text whatever the mix of layouts (``work`` counts it); the
-    degraded path costs one decode per element it takes. The last events and the closing bracket always go through
-    the scanner, so truncation and malformed endings are reported as without skimming.
+    (:func:`_markers`). Clean events are counted without being decoded; events with a marker are decoded from their
+    exact text (:meth:`_decode_picked`); an element with a taint, or without a boundary after it in the buffer, is
+    decoded by the json scanner on its own, and counting resumes at the next element. Only the unfinished event
+    carried into the next buffer is indexed again, and a buffer grows by at least what it carries, so the work is
+    linear in the text whatever the mix of layouts (``work`` counts it); the degraded path costs one decode per
+    element it takes. The last events and the closing bracket always go through the scanner, so truncation and
+    malformed endings are reported as without skimming.
     """
 
-    def __init__(self, sc: _Scanner, state: _ReadState) -> None:
-        self.sc, self.state = sc, state
+    def __init__(self, sc: _Scanner, out: _Collected, fast: Any, skim: bool) -> None:
+        self.sc, self.out, self.fast, self.skim = sc, out, fast, skim
         self.indexed = -1  # the scanner's generation the index below describes
         self.opens: list[int] = []  # the '{' of every boundary after the indexed position: where an event starts
         self.taints: list[int] = []  # where a list element opens other than at a boundary
         self.marked: list[int] = []  # the events (indices into opens: the boundary each ends at) holding a marker
         self.k = self.t = self.m = 0  # next boundary, taint, marked event
         self.tainted = False  # the last buffer indexed had taints
+        self.markers = _markers()
 
     def read(self) -> None:
         """Read the event list at the scanner's position, counting clean events and decoding the others."""
@@ -588,7 +521,7 @@ class _ArrayReader:
         if sc.peek() == "]":
             sc.pos += 1
             return
-        if not self.state.skim:
+        if not self.skim:
             self._decode_elements(-1)
             return
         while True:
@@ -602,8 +535,7 @@ class _ArrayReader:
     def _decode_elements(self, count: int) -> bool:
         """Decode ``count`` elements (all when negative) from ``sc.pos``, the start of one; True when the list
         ends."""
-        sc, scan, separator, state = self.sc, self.sc.scan, _SEPARATOR.match, self.state
-        element, work = state.decoder.element, state.work
+        sc, scan, separator, out, work = self.sc, self.sc.scan, _SEPARATOR.match, self.out, self.sc.work
         while count:
             count -= 1
             buf, pos = sc.buf, sc.pos
@@ -614,12 +546,12 @@ class _ArrayReader:
                 comma, end = None, len(buf)  # how far the scanner got is not known: at most to the end
             work["decoded"] += end - pos
             if comma is not None and comma.end() < len(buf):
-                element(sc, buf, pos, end, obj)
-                state.decoded += 1
+                out.add(obj if buf.isascii() else scan(_utf8(buf[pos:end]), 0)[0])
+                out.decoded += 1
                 sc.pos = comma.end()
                 continue
-            state.add(sc.value())  # at the end of the buffer, the last element, or an error: refills and reports
-            state.decoded += 1
+            out.add(sc.value())  # at the end of the buffer, the last element, or an error: refills and reports
+            out.decoded += 1
             if sc.expect(",]", "in the traceEvents list") == "]":
                 return True
             sc.peek()  # at the next element
@@ -628,7 +560,7 @@ class _ArrayReader:
     def _skim(self) -> bool:
         """From ``sc.pos`` (an element's start), count the clean events up to the next taint and decode those with
         a marker; False when the element there needs the scanner (a taint in it, or no boundary after it)."""
-        sc = self.sc
+        sc, out = self.sc, self.out
         buf, pos = sc.buf, sc.pos
         if self.indexed != sc.generation:
             self._index(buf, pos)
@@ -644,14 +576,12 @@ class _ArrayReader:
         starts, ends = [opens[s - 1] for s in picked], [opens[s] for s in picked]
         if picked and picked[0] == k:
             starts[0] = pos
-        size = sum(map(operator.sub, ends, starts))
         if picked:
-            self.state.decoder.spans(sc, buf, starts, ends)
-        self.state.work["decoded"] += size
-        n = m_stop - m
-        self.state.decoded += n
-        self.state.skipped += stop - k - n
-        self.state.skimmed = True
+            self._decode_picked(buf, starts, ends)
+        sc.work["decoded"] += sum(map(operator.sub, ends, starts))
+        out.decoded += m_stop - m
+        out.skipped += stop - k - (m_stop - m)
+        out.skimmed = True
         sc.pos = opens[stop - 1]
         self.k = stop
         return True
@@ -663,7 +593,7 @@ class _ArrayReader:
         self.k = self.t = self.m = 0
         self.taints, self.marked = [], []
         opens = self.opens = [match.start(1) for match in _BOUNDARY.finditer(buf, pos)]
-        self.state.work["indexed"] += len(buf) - pos
+        self.sc.work["indexed"] += len(buf) - pos
         if not opens:
             return
         last = opens[-1]
@@ -674,7 +604,7 @@ class _ArrayReader:
             self.tainted = bool(self.taints)
         marked: set[int] = set()
         find, bisect_right = buf.find, bisect.bisect_right
-        for literal in _MARKERS:
+        for literal in self.markers:
             at = find(literal, pos, last)
             while at >= 0:
                 s = bisect_right(opens, at)
@@ -682,21 +612,13 @@ class _ArrayReader:
                 at = find(literal, opens[s], last)  # the rest of that event needs no search
         self.marked = sorted(marked)
 
-
-class _LocalDecoder:
-    """Decodes the picked events in this process, in place where it can."""
-
-    def __init__(self, state: _ReadState) -> None:
-        self.state = state
-
-    def spans(self, sc: _Scanner, buf: str, starts: list[int], ends: list[int]) -> None:
+    def _decode_picked(self, buf: str, starts: list[int], ends: list[int]) -> None:
         """Decode the event at each ``start`` of ``buf``, which ends at the last ``}`` before its ``end`` (the next
-        boundary), exactly one event each, and hand the events to the collector (orjson when given, else the json
-        scanner in place; a text either refuses goes to :func:`_decode_exact`, which decodes it as UTF-8 or names
-        the error)."""
-        fast, scan, add, rfind = self.state.fast, sc.scan, self.state.add, buf.rfind
-        ascii_text = buf.isascii()  # O(1): a str knows
-        for start, end in zip(starts, ends, strict=True):
+        boundary), exactly one event each, and keep it: orjson when given, else the json scanner in place; a text
+        either refuses goes to :func:`_decode_exact`, which decodes it as UTF-8 or names the error and its byte."""
+        fast, sc, add, rfind = self.fast, self.sc, self.out.add, buf.rfind
+        scan, ascii_text = sc.scan, buf.isascii()  # O(1): a str knows
+        for start, end in zip(starts, ends):
             stop = rfind("}", start, end) + 1
             if fast is not None:
                 text = buf[start:stop]
@@ -715,297 +637,8 @@ class _LocalDecoder:
                     continue
             add(_decode_exact(_utf8(buf[start:stop]), scan, sc.path, sc.base + start))
 
-    def element(self, sc: _Scanner, buf: str, start: int, end: int, event: Any) -> None:
-        """Hand over ``event``, which the scanner decoded from ``buf[start:end]`` (again as UTF-8 where the text is
-        not ASCII)."""
-        self.state.add(event if buf.isascii() else sc.scan(_utf8(buf[start:end]), 0)[0])
 
-
-class _DecodeProcessFailed(RuntimeError):
-    """The decoding process could not start, or died: the trace is read again without it."""
-
-
-# Messages to the decoding process: a header (kind, n, size) and ``size`` bytes.
-_HEADER = struct.Struct("<qqq")
-_TEXT, _SPANS, _JSON = 0, 1, 2  # the reader's buffer (n: its offset in the trace); n (start, end) pairs; one event
-
-
-class _DecodeProcess:
-    """Decodes the picked events in a second process while this one reads, searches and picks.
-
-    On two cores, reading and searching the text (C) and picking events is about half the work and decoding the
-    picked events (building their dicts, keeping what matters) the other half; in one process they add up. This
-    process sends each buffer it reads once (Latin-1 bytes: the file's bytes) and then the (start, next boundary)
-    offsets of the events it picks in it, through the child's stdin, written by a thread (at most
-    :data:`_BATCHES_AHEAD` messages wait); an event decoded here without its text (the last of a buffer) is sent as
-    JSON. The child runs this same file (:func:`_decode_worker`) and decodes exactly as :class:`_LocalDecoder` does,
-    in the order sent, so the summary is the in-process one; it sends back the collected arrays, or the first
-    malformed event's error (with its byte), at which it stops at once.
-    """
-
-    def __init__(self, path: Path, proc: subprocess.Popen) -> None:
-        self.path, self.proc = path, proc
-        self.generation = -1  # the reader's buffer the child holds
-        self.starts: list[int] = []  # offsets in that buffer of the events picked since it was sent
-        self.ends: list[int] = []
-        self.batches: queue.Queue[tuple[bytes, ...] | None] = queue.Queue(_BATCHES_AHEAD)
-        self.broken: BaseException | None = None  # the writer's error: the child ended early
-        self.result: dict[str, Any] | None = None
-        self.probe = _Collected()  # scratch: what the collector would keep of an event decoded here
-        self.probe_add = _adder(self.probe)
-        self.writer = threading.Thread(target=self._write, daemon=True)
-        self.writer.start()
-
-    @classmethod
-    def start(cls, path: Path, fast: bool) -> _DecodeProcess:
-        """Start the child (this file, run by this interpreter); :class:`_DecodeProcessFailed` if it cannot."""
-        code = (
-            "import importlib.util, sys; "
-            "spec = importlib.util.spec_from_file_location('_summarize_trace_worker', sys.argv[1]); "
-            "module = importlib.util.module_from_spec(spec); spec.loader.exec_module(module); "
-            "module._decode_worker(sys.argv[2], sys.argv[3] == 'orjson')"
-        )
-        args = [sys.executable, "-c", code, str(Path(__file__).resolve()), str(path), "orjson" if fast else "json"]
-        try:
-            proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0)
-        except OSError as exc:
-            raise _DecodeProcessFailed(f"{path}: cannot start the decoding process ({exc})") from exc
-        with contextlib.suppress(AttributeError, OSError):  # Linux: a 1 MiB pipe, 16x fewer switches to the child
-            fcntl.fcntl(proc.stdin.fileno(), fcntl.F_SETPIPE_SZ, _BATCH_CHARS)
-        return cls(path, proc)
-
-    def _matters(self, event: Any) -> bool:
-        """Whether the collector keeps anything of ``event`` (tried on a scratch collector, emptied again)."""
-        self.probe_add(event)
-        probe = self.probe
-        if not (probe.ranges or probe.launch_ts or probe.kernel_corr):
-            return False
-        self.probe = _Collected()
-        self.probe_add = _adder(self.probe)
-        return True
-
-    def add(self, event: Any) -> None:
-        """An event decoded here without its text (the last events of a buffer): sent as JSON if it matters."""
-        if self._matters(event):
-            self._flush()
-            self._send(_JSON, 0, json.dumps(event).encode("ascii"))
-
-    def element(self, sc: _Scanner, buf: str, start: int, end: int, event: Any) -> None:
-        """An event the scanner decoded here from ``buf[start:end]`` (one with a list of objects inside, or the
-        last of a buffer): its span is sent, to be decoded there again, only if it matters (most do not)."""
-        if self._matters(event):
-            self.spans(sc, buf, [start], [end])
-
-    def spans(self, sc: _Scanner, buf: str, starts: list[int], ends: list[int]) -> None:
-        """Queue the picked events' offsets; they are sent once per buffer, after the buffer itself."""
-        if sc.generation != self.generation:
-            self._flush()
-            self.generation = sc.generation
-            self._send(_TEXT, sc.base, buf.encode("latin-1"))
-        self.starts += starts
-        self.ends += ends
-
-    def _flush(self) -> None:
-        """Send the offsets queued for the buffer the child holds."""
-        if self.starts:
-            self._send(_SPANS, len(self.starts), array("q", self.starts).tobytes(), array("q", self.ends).tobytes())
-            self.starts, self.ends = [], []
-
-    def _send(self, kind: int, n: int, *parts: bytes) -> None:
-        """Queue one message for the writer thread."""
-        batch = (_HEADER.pack(kind, n, sum(map(len, parts))), *parts)
-        while self.writer.is_alive():
-            try:
-                self.batches.put(batch, timeout=0.05)
-                return
-            except queue.Full:
-                continue
-        self._collect()  # the child stopped reading: raise its error, or say it died
-        raise _DecodeProcessFailed(f"{self.path}: the decoding process stopped reading ({self.broken})")
-
-    def _write(self) -> None:
-        """Writer thread: send the messages to the child's stdin, then close it (the end of the input)."""
-        stdin = self.proc.stdin
-        try:
-            for batch in iter(self.batches.get, None):
-                for part in batch:
-                    stdin.write(part)
-        except OSError as exc:  # the child ended early (an error it reports) or died
-            self.broken = exc
-        finally:
-            with contextlib.suppress(OSError):
-                stdin.close()
-
-    def _end_input(self) -> None:
-        """Let the writer finish (it closes the child's input) and wait for it."""
-        while self.writer.is_alive():
-            try:
-                self.batches.put(None, timeout=0.05)
-                break
-            except queue.Full:
-                continue
-        self.writer.join()
-
-    def finish(self) -> _Collected:
-        """Send what is queued, wait for the child and return what it collected (raises its error)."""
-        self._flush()
-        return self._collect()
-
-    def _collect(self) -> _Collected:
-        """End the input, read the child's result and return its collected events; raise its TraceError, or
-        :class:`_DecodeProcessFailed` if it died."""
-        if self.result is None:
-            self._end_input()
-            data = self.proc.stdout.read()
-            code = self.proc.wait()
-            try:
-                self.result = pickle.loads(data)
-            except Exception as exc:
-                raise _DecodeProcessFailed(
-                    f"{self.path}: the decoding process ended without a result (exit status {code})"
-                ) from exc
-        result = self.result
-        if result["error"]:
-            raise TraceError(result["error"])
-        return _collected_from(result)
-
-    def __enter__(self) -> _DecodeProcess:
-        return self
-
-    def __exit__(self, kind: Any, exc: Any, tb: Any) -> None:
-        """On an error here, the child's own error comes first (it is earlier in the file); always end the child."""
-        try:
-            if isinstance(exc, TraceError):
-                self._flush()
-                self._collect()  # raises the child's error when it had one
-        finally:
-            if self.proc.poll() is None:
-                self.proc.kill()
-                self.proc.wait()
-            self._end_input()
-            self.proc.stdout.close()
-
-
-def _decode_worker(path: str, fast: bool) -> None:
-    """The decoding process (:class:`_DecodeProcess`): read the messages from stdin, decode every picked event in
-    order, write the collected arrays (pickled) to stdout at the end, or the first malformed event's error."""
-    collected = _Collected()
-    add, scan, error = _adder(collected), json.JSONDecoder().scan_once, None
-    loads = _accelerator(Path(path)) if fast else None
-    stdin, size_of = sys.stdin.buffer, _HEADER.size
-    data, view, text, base, ascii_text = b"", memoryview(b""), "", 0, True
-    while error is None:
-        head = stdin.read(size_of)
-        if len(head) < size_of:
-            break
-        kind, n, size = _HEADER.unpack(head)
-        message = stdin.read(size)
-        if kind == _TEXT:  # orjson reads the bytes; the json scanner and error messages need the text
-            data, view, base = message, memoryview(message), n
-            text = "" if loads is not None else data.decode("latin-1")
-            ascii_text = text.isascii()
-            continue
-        if kind == _JSON:
-            add(json.loads(message))
-            continue
-        starts, ends = array("q"), array("q")
-        starts.frombytes(message[: 8 * n])
-        ends.frombytes(message[8 * n :])
-        rfind = data.rfind
-        try:
-            for start, end in zip(starts, ends, strict=True):
-                stop = rfind(b"}", start, end) + 1
-                if loads is not None:
-                    try:
-                        add(loads(view[start:stop]))
-                        continue
-                    except ValueError:
-                        pass
-                elif ascii_text:
-                    try:
-                        event, at = scan(text, start)
-                    except (StopIteration, json.JSONDecodeError):
-                        at = -1
-                    if at == stop:
-                        add(event)
-                        continue
-                add(_decode_exact(data[start:stop].decode("utf-8", "replace"), scan, path, base + start))
-        except TraceError as exc:
-            error = str(exc)
-    result = {
-        "error": error,
-        "ranges": collected.ranges,
-        "threads": list(collected.threads.items()),
-        **{name: getattr(collected, name).tobytes() for name in _Collected.ARRAYS},
-    }
-    sys.stdout.buffer.write(pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL))
-    sys.stdout.buffer.flush()
-
-
-def _collected_from(result: dict[str, Any]) -> _Collected:
-    """The :class:`_Collected` a decoding process sent back."""
-    collected = _Collected()
-    collected.ranges = result["ranges"]
-    collected.threads = dict(result["threads"])
-    for name in _Collected.ARRAYS:
-        getattr(collected, name).frombytes(result[name])
-    return collected
-
-
-CGROUP_ROOT = Path("/sys/fs/cgroup")
-
-
-def usable_cpus(root: Path = CGROUP_ROOT) -> int:
-    """The CPUs this process may use: its affinity mask (taskset, SLURM's binding), reduced to a cgroup CPU quota
-    where one is set (Docker's --cpus, Kubernetes limits), rounded up; at least 1.
-
-    The bundle's one count of CPUs (ONNX Runtime's threads, prepare's workers, this file's second process): it lives
-    here because this file must run on its own, with the standard library only; the others import it."""
-    try:
-        count = len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        count = os.cpu_count() or 1
-    quota = cgroup_cpu_quota(root)
-    return max(1, min(count, math.ceil(quota)) if quota else count)
-
-
-def cgroup_cpu_quota(root: Path = CGROUP_ROOT) -> float | None:
-    """CPUs allowed by the cgroup's quota (v2 ``cpu.max``, v1 ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``)."""
-    try:
-        text = (root / "cpu.max").read_text().split()
-        if text and text[0] != "max":
-            return int(text[0]) / int(text[1])
-        return None
-    except (OSError, ValueError, IndexError, ZeroDivisionError):
-        pass
-    try:
-        quota = int((root / "cpu" / "cpu.cfs_quota_us").read_text())
-        period = int((root / "cpu" / "cpu.cfs_period_us").read_text())
-        return quota / period if quota > 0 and period > 0 else None
-    except (OSError, ValueError):
-        return None
-
-
-def _text_size(path: Path) -> int:
-    """About how many bytes of JSON ``path`` holds: its size, or for gzip the size its trailer records (modulo 4 GiB,
-    hence at least the compressed size), for a zip its member's; 0 when it cannot be read (the reader then says
-    why)."""
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as raw:
-            magic = raw.read(4)
-            if magic[:2] == b"\x1f\x8b" and size >= 18:
-                raw.seek(-4, io.SEEK_END)
-                return max(size, struct.unpack("<I", raw.read(4))[0])
-        if magic in (b"PK\x03\x04", b"PK\x05\x06"):
-            with zipfile.ZipFile(path) as archive:
-                return max([size] + [info.file_size for info in archive.infolist()])
-        return size
-    except (OSError, zipfile.BadZipFile, struct.error):
-        return 0
-
-
-def _decode_exact(text: str, scan: Any, path: Path | str, at: int) -> Any:
+def _decode_exact(text: str, scan: Any, path: Path, at: int) -> Any:
     """The one event ``text`` holds (found at byte ``at`` of the trace), decoded by the json scanner; a
     :class:`TraceError` naming the file and the byte when it is not exactly one JSON value."""
     try:
@@ -1020,7 +653,7 @@ def _decode_exact(text: str, scan: Any, path: Path | str, at: int) -> Any:
 
 
 def _utf8(text: str) -> str:
-    """The text as UTF-8 (bad bytes replaced), from the one-character-a-byte text :func:`_open_text` reads."""
+    """The text as UTF-8 (bad bytes replaced), from the one-character-a-byte text :class:`_Scanner` reads."""
     return text if text.isascii() else text.encode("latin-1").decode("utf-8", "replace")
 
 
@@ -1035,143 +668,28 @@ def _accelerator(path: Path) -> Any:
     return orjson.loads
 
 
-def _iter_events_ijson(path: Path) -> Iterator[Any]:
-    """Yield the trace events with ijson (its C backend when built), for comparison with the default parser."""
-    try:
-        import ijson
-    except ImportError as exc:
-        raise TraceError(f"{path}: parser='ijson' needs the ijson package (pip install ijson)") from exc
-    with _open_binary(path) as stream:
-        head = stream.read(1 << 16).lstrip()
-    if not head:
-        raise TraceError(f"{path}: empty file (no JSON in it)")
-    if head[:1] not in (b"{", b"["):
-        raise TraceError(f"{path}: not a chrome trace: it does not start with '{{' or '['")
-    prefix = "item" if head[:1] == b"[" else "traceEvents.item"
-    logger.debug("ijson backend %s", ijson.backend)
-    with _open_binary(path) as stream:
-        try:
-            yield from ijson.items(stream, prefix, use_float=True)
-        except ijson.IncompleteJSONError as exc:
-            detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            raise TraceError(f"{path}: truncated or malformed JSON ({detail})") from exc
-        except ijson.JSONError as exc:
-            detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            raise TraceError(f"{path}: malformed JSON ({detail})") from exc
-
-
-# ---------------------------------------------------------------------------------------------------------- analysis
-class _Collected:
-    """What one pass keeps: section ranges, and compact arrays for launches and kernels."""
-
-    def __init__(self) -> None:
-        self.events = 0
-        self.ranges: list[tuple[str, int, float, float]] = []  # (section, thread index, ts, dur)
-        self.threads: dict[tuple[Any, Any], int] = {}
-        self.launch_thread, self.launch_ts, self.launch_corr = array("i"), array("d"), array("q")
-        self.kernel_corr, self.kernel_start, self.kernel_end = array("q"), array("d"), array("d")
-
-    ARRAYS = ("launch_thread", "launch_ts", "launch_corr", "kernel_corr", "kernel_start", "kernel_end")
-
-
-def _is_launch_name(name: str, cache: dict[str, bool]) -> bool:
-    """Whether ``name`` is a launch once API-version and stream suffixes are dropped (cached per name)."""
-    known = cache.get(name)
-    if known is None:
-        known = cache[name] = _NAME_SUFFIX.sub("", name) in LAUNCH_NAMES
-    return known
-
-
-def _adder(out: _Collected) -> Callable[[Any], None]:
-    """A function that keeps what :func:`_resolve` needs from one decoded event (ignoring any other event)."""
-    ranges, threads = out.ranges, out.threads
-    l_thread, l_ts, l_corr = out.launch_thread.append, out.launch_ts.append, out.launch_corr.append
-    k_corr, k_start, k_end = out.kernel_corr.append, out.kernel_start.append, out.kernel_end.append
-    launch_names, name_cache, prefix, n_prefix = LAUNCH_NAMES, {}, SECTION_PREFIX, len(SECTION_PREFIX)
-
-    def add(ev: Any) -> None:
-        """Keep a kernel's (correlation, start, end), a launch's (thread, ts, correlation) or a section range."""
-        try:
-            if ev.get("ph") != "X":
-                return
-            name = ev.get("name")
-            if ev.get("cat") == "kernel":
-                corr = int(ev["args"]["correlation"])
-                if corr > 0:
-                    ts = float(ev["ts"])
-                    k_corr(corr)
-                    k_start(ts)
-                    k_end(ts + float(ev["dur"]))
-            elif name in launch_names or (
-                name.startswith(("cu", "hip")) and "_" in name and _is_launch_name(name, name_cache)
-            ):
-                corr = int(ev["args"]["correlation"])
-                if corr > 0:
-                    key = (ev.get("pid"), ev.get("tid"))
-                    index = threads.get(key)
-                    if index is None:
-                        index = threads[key] = len(threads)
-                    l_ts(float(ev["ts"]))
-                    l_thread(index)
-                    l_corr(corr)
-            elif name.startswith(prefix) and not str(ev.get("cat", "")).startswith("gpu_"):
-                key = (ev.get("pid"), ev.get("tid"))
-                index = threads.get(key)
-                if index is None:
-                    index = threads[key] = len(threads)
-                ranges.append((name[n_prefix:], index, float(ev["ts"]), float(ev["dur"])))
-        except (AttributeError, KeyError, TypeError, ValueError, OverflowError):
-            return  # not an event of interest, or one without the fields it needs
-
-    return add
-
-
+# ------------------------------------------------------------------------------------------------------- analysis
 def _resolve(c: _Collected) -> tuple[dict[str, list[float]], dict[str, str]]:
     """Duration (µs) of every range instance, and per section whether kernels or CPU ranges gave them."""
-    # Kernel-timed ranges per thread, sorted by start, with the running maximum of their ends so that the
-    # backward scan from a launch stops as soon as no earlier range can still contain it.
+    names = list(c.numbers)  # the key of each number
     # Backward kernels are launched by autograd's device threads, not the thread that opened the range, so backward
-    # ranges match launches from any thread of their process (keyed by a per-process pseudo-thread).
-    process_of = {index: c.threads.setdefault((key[0], "*"), len(c.threads)) for key, index in list(c.threads.items())}
-    per_thread: dict[int, tuple[list[float], list[float], list[float], list[int]]] = {}
-    for rid in sorted(
-        (i for i, r in enumerate(c.ranges) if r[0] in KERNEL_TIMED), key=lambda i: (c.ranges[i][1], c.ranges[i][2])
-    ):
-        section, thread, ts, dur = c.ranges[rid]
-        if section in PROCESS_WIDE:
-            thread = process_of[thread]
-        starts, ends, reach, rids = per_thread.setdefault(thread, ([], [], [], []))
-        starts.append(ts)
-        ends.append(ts + dur)
-        reach.append(max(ts + dur, reach[-1]) if reach else ts + dur)
-        rids.append(rid)
-    # Launches inside a kernel-timed range: (correlation, range id) pairs, a launch in nested ranges once per range.
-    launched, owner = array("q"), array("i")
-    for thread, ts, corr in zip(c.launch_thread, c.launch_ts, c.launch_corr, strict=True):
-        for key in (thread, process_of.get(thread)):
-            lists = per_thread.get(key)
-            if lists is None:
-                continue
-            starts, ends, reach, rids = lists
-            j = bisect.bisect_right(starts, ts) - 1
-            while j >= 0 and reach[j] >= ts:
-                if ends[j] >= ts:
-                    launched.append(corr)
-                    owner.append(rids[j])
-                j -= 1
-    owners_of = _owner_lookup(launched, owner)
-    del launched, owner
+    # ranges match launches from any thread of their process (a per-process pseudo-thread, numbered too).
+    process_of = {
+        i: c.numbers.setdefault((key[0], "*"), len(c.numbers)) for i, key in enumerate(names) if isinstance(key, tuple)
+    }
+    ranges = [(names[int(s)], int(t), ts, dur) for s, t, ts, dur in zip(*c.columns("section"))]
+    owners_of = _launch_owners(ranges, process_of, *c.columns("launch"))
     first: dict[int, float] = {}
     last: dict[int, float] = {}
-    for corr, start, end in zip(c.kernel_corr, c.kernel_start, c.kernel_end, strict=True):
-        for rid in owners_of(corr):
+    for corr, start, end in zip(*c.columns("kernel")):
+        for rid in owners_of(int(corr)):
             if start < first.get(rid, start + 1.0):
                 first[rid] = start
             if end > last.get(rid, end - 1.0):
                 last[rid] = end
     durations: dict[str, list[float]] = {}
     from_kernels: dict[str, int] = {}
-    for rid, (section, _, _, dur) in enumerate(c.ranges):
+    for rid, (section, _, _, dur) in enumerate(ranges):
         if rid in first:
             durations.setdefault(section, []).append(last[rid] - first[rid])
             from_kernels[section] = from_kernels.get(section, 0) + 1
@@ -1184,7 +702,41 @@ def _resolve(c: _Collected) -> tuple[dict[str, list[float]], dict[str, str]]:
     return durations, sources
 
 
-def _owner_lookup(launched: array, owner: array) -> Any:
+def _launch_owners(
+    ranges: list[tuple[str, int, float, float]], process_of: dict[int, int], threads: array, ts: array, corrs: array
+) -> Callable[[int], tuple[int, ...]]:
+    """A function correlation -> ids (indices into ``ranges``) of the kernel-timed ranges whose launches carry it:
+    a launch on the range's thread (its process's, for :data:`PROCESS_WIDE`) within its time, a launch inside
+    nested ranges once per range."""
+    # Kernel-timed ranges per thread, sorted by start, with the running maximum of their ends so that the backward
+    # scan from a launch stops as soon as no earlier range can still contain it.
+    per_thread: dict[int, tuple[list[float], list[float], list[float], list[int]]] = {}
+    for rid in sorted((i for i, r in enumerate(ranges) if r[0] in KERNEL_TIMED), key=lambda i: ranges[i][1:3]):
+        section, thread, start, dur = ranges[rid]
+        if section in PROCESS_WIDE:
+            thread = process_of[thread]
+        starts, ends, reach, rids = per_thread.setdefault(thread, ([], [], [], []))
+        starts.append(start)
+        ends.append(start + dur)
+        reach.append(max(start + dur, reach[-1]) if reach else start + dur)
+        rids.append(rid)
+    launched, owner = array("q"), array("i")
+    candidates: dict[float, list[tuple[list[float], list[float], list[float], list[int]]]] = {}
+    for thread, at, corr in zip(threads, ts, corrs):  # numbers kept as doubles hash and compare as the ints they hold
+        lists = candidates.get(thread)
+        if lists is None:  # the ranges a launch of this thread may fall in: its own, its process's
+            lists = candidates[thread] = [per_thread[k] for k in (thread, process_of.get(thread)) if k in per_thread]
+        for starts, ends, reach, rids in lists:
+            j = bisect.bisect_right(starts, at) - 1
+            while j >= 0 and reach[j] >= at:
+                if ends[j] >= at:
+                    launched.append(int(corr))
+                    owner.append(rids[j])
+                j -= 1
+    return _owner_lookup(launched, owner)
+
+
+def _owner_lookup(launched: array, owner: array) -> Callable[[int], tuple[int, ...]]:
     """A function correlation -> range ids, for the kernels' side of the join.
 
     CUDA/HIP correlation ids count up from 1 per process, so a table indexed by ``id - min`` (4 bytes an entry) is
@@ -1197,13 +749,13 @@ def _owner_lookup(launched: array, owner: array) -> Any:
     extra: dict[int, list[int]] = {}  # ids launched from nested ranges: all but the first range
     if high - low < 4 * len(launched) + 1024:
         table = array("i", [-1]) * (high - low + 1)
-        for corr, rid in zip(launched, owner, strict=True):
+        for corr, rid in zip(launched, owner):
             if table[corr - low] < 0:
                 table[corr - low] = rid
             else:
                 extra.setdefault(corr, []).append(rid)
 
-        def lookup(corr: int) -> Any:
+        def lookup(corr: int) -> tuple[int, ...]:
             """Range ids whose launches carry ``corr`` (table-indexed)."""
             index = corr - low
             if index < 0 or index > high - low or table[index] < 0:
@@ -1212,13 +764,13 @@ def _owner_lookup(launched: array, owner: array) -> Any:
 
         return lookup
     first: dict[int, int] = {}
-    for corr, rid in zip(launched, owner, strict=True):
+    for corr, rid in zip(launched, owner):
         if corr in first:
             extra.setdefault(corr, []).append(rid)
         else:
             first[corr] = rid
 
-    def lookup_sparse(corr: int) -> Any:
+    def lookup_sparse(corr: int) -> tuple[int, ...]:
         """Range ids whose launches carry ``corr`` (dict-indexed)."""
         rid = first.get(corr)
         if rid is None:
@@ -1264,9 +816,8 @@ def _cli() -> None:
         cli.add_argument("trace")
         cli.add_argument("--format", default="text", choices=("text", "json"))
         cli.add_argument("--parser", default="auto", choices=PARSERS)
-        cli.add_argument("--decode_process", default=None, choices=("true", "false"))
         args = cli.parse_args()
-        main(args.trace, format=args.format, parser=args.parser, decode_process=args.decode_process)
+        main(args.trace, format=args.format, parser=args.parser)
     else:
         fire.Fire(main)
 

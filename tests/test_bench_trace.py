@@ -91,7 +91,7 @@ def test_repeated_runs_report_the_fastest_with_every_run_and_fail_if_any_run_is_
     walls = iter([3.0, 2.0, 1.0, 4.0, 1.5, 5.0, 2.5, 0.5])  # per run, in the order the rounds make them
     calls = []
 
-    def fake_run(path, parser):
+    def fake_run(path, parser, script=None):
         calls.append((path.name, parser))
         wall = next(walls)
         summary = {"sections": {}, "parser": parser + "-skim"}
@@ -114,6 +114,58 @@ def test_repeated_runs_report_the_fastest_with_every_run_and_fail_if_any_run_is_
     assert by[".json.gz", "orjson-skim"]["check"].startswith("step") and by[".json", "auto-skim"]["check"] == "ok"
     table = bt.markdown_table(rows)
     assert table.splitlines()[0].endswith("| MB/s of each run |") and "| 0.3, 0.7 |" in table
+    assert "version" not in table  # one version: no column for it
+
+
+def test_a_baseline_copy_is_timed_beside_this_one_on_the_same_files_and_labelled(tmp_path, monkeypatch):
+    """``--baseline``: another copy of the summariser runs in its child exactly as this one (a file run as
+    __main__), right after it on each file and parser; its rows carry its label and the table gets a version
+    column."""
+    path = tmp_path / "t.json"
+    expected = bt.write_trace(path, SMALL, "mixed-after", ops_scale=SCALE)
+    copy = tmp_path / "old" / "summarize_trace.py"
+    copy.parent.mkdir()
+    copy.write_text(bt.SUMMARIZER.read_text().replace('"parser": ("orjson"', '"parser": "old-" + ("orjson"'))
+    run = bt.run_summarizer(path, "auto", copy)
+    assert run["summary"]["parser"] == "old-json-skim", run["stderr"]
+    assert bt.compare(run["summary"]["sections"], expected["sections"]) == []
+    calls = []
+    real = bt.run_summarizer
+
+    def recorded(trace, parser, script=None):
+        calls.append((trace.name, parser, script))
+        return real(trace, parser, script)
+
+    monkeypatch.setattr(bt, "run_summarizer", recorded)
+    versions = {"new": bt.SUMMARIZER, "0.5.1": copy}
+    rows = bt._bench_shape("mixed-after", tmp_path, SMALL, ["auto"], keep=False, repeat=1, versions=versions)
+    files = ("mixed-after.json", "mixed-after.json.gz")
+    assert [(name, script) for name, _, script in calls] == [(f, v) for f in files for v in versions.values()]
+    assert {(r["file"], r["version"], r["parser"], r["check"]) for r in rows} == {
+        (f, v, p, "ok") for f in (".json", ".json.gz") for v, p in (("new", "json-skim"), ("0.5.1", "old-json-skim"))
+    }
+    table = bt.markdown_table(rows)
+    assert table.splitlines()[0].startswith("| shape | file | parser | version | trace GB |")
+    assert "| mixed-after | .json.gz | old-json-skim | 0.5.1 | " in table
+
+
+def test_kept_large_traces_are_reused_by_a_later_run_of_the_same_size(tmp_path, monkeypatch):
+    written = []
+    real = bt.write_trace
+
+    def counted(path, size, shape, gz_path):
+        written.append(path.name)
+        return real(path, size, shape, gz_path=gz_path, ops_scale=SCALE)
+
+    monkeypatch.setattr(bt, "write_trace", counted)
+    plain, packed = tmp_path / "cuda-after.json", tmp_path / "cuda-after.json.gz"
+    first = bt._large_trace("cuda-after", plain, packed, SMALL, keep=True)
+    again = bt._large_trace("cuda-after", plain, packed, SMALL, keep=True)
+    assert written == ["cuda-after.json"] and again[0] == first[0] and again[0]["events"] > 0
+    bt._large_trace("cuda-after", plain, packed, SMALL + 1, keep=True)  # another size: written again
+    packed.write_bytes(packed.read_bytes()[:-10])  # a file cut short (a run stopped while writing it)
+    bt._large_trace("cuda-after", plain, packed, SMALL + 1, keep=True)
+    assert written == ["cuda-after.json"] * 3
 
 
 def _events_and_text(tmp_path, shape):

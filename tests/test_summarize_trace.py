@@ -166,7 +166,7 @@ def has(module):
 
 def needs(parser):
     """Skip where the parser's optional package is not installed."""
-    if parser in ("orjson", "ijson") and not has(parser):
+    if parser == "orjson" and not has(parser):
         pytest.skip(f"the optional {parser} package is not installed")
 
 
@@ -289,7 +289,7 @@ def test_cpu_only_trace_falls_back_to_range_durations(tmp_path):
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("parser", ["auto", "json", "orjson", "ijson"])
+@pytest.mark.parametrize("parser", ["auto", "json", "orjson"])
 def test_every_layout_and_parser_gives_the_same_answer(tmp_path, layout, parser):
     needs(parser)
     trace = make_trace(HIP_LAUNCHES)
@@ -385,7 +385,7 @@ def test_events_after_the_list_are_not_counted(tmp_path, layout):
 
 @pytest.mark.parametrize("chunk", [1, 5, 4096])
 def test_raw_utf8_text_and_a_bom_split_across_chunks(tmp_path, monkeypatch, chunk):
-    # chunks of 1 and 5 split multi-byte characters in the gzip read-ahead; the buffer grows to hold an event, so
+    # chunks of 1 and 5 split multi-byte characters between reads; the buffer grows to hold an event, so
     # skimming works whatever the chunk
     trace = make_trace()
     events = trace["traceEvents"]
@@ -585,7 +585,7 @@ def test_markers_written_with_unicode_escapes_are_found(tmp_path):
     check(summary["sections"], EXPECTED_CPU)
 
 
-# ------------------------------------------------------------------------- decoding in a second process
+# ------------------------------------------------------------------------- every decoding path against the full decode
 def odd_trace():
     """make_trace() with every oddity three times, raw UTF-8 and an escaped marker: text for every decoder path."""
     trace = make_trace()
@@ -598,10 +598,10 @@ def odd_trace():
 
 
 @pytest.mark.parametrize("parser", ["auto", "orjson"])
-def test_a_second_process_decodes_to_the_same_summary_as_one(tmp_path, monkeypatch, parser):
+def test_skimming_gives_the_full_decodes_summary_on_every_decoding_path(tmp_path, monkeypatch, parser):
     """Every layout mix, taint, escape, non-ASCII and non-UTF-8 byte, buffer edge and event larger than a chunk
-    gives the same summary (events counted, values, order) when the picked events are decoded by a second process
-    as when they are decoded in this one; and the reading work counted is the same."""
+    gives the same summary (events counted, values, order) when picked events are decoded from their exact text
+    as when every event is decoded (``parser="json"``); gzipped too."""
     needs(parser)
     adversarial, _ = adversarial_trace(12, seed=5)
     odd = kineto_text(odd_trace()).replace('"__sec:step"', '"__sec:st\xffep"')
@@ -614,140 +614,80 @@ def test_a_second_process_decodes_to_the_same_summary_as_one(tmp_path, monkeypat
     }
     paths["adversarial"].write_text(adversarial, encoding="utf-8")
     paths["odd"].write_bytes(gzip.compress(odd.encode("latin-1")))
-    children = _Children(monkeypatch)
     for chunk in (1 << 12, 1 << 20):
         monkeypatch.setattr(st, "_CHUNK_CHARS", chunk)
         for name, path in paths.items():
-            work_one, work_two = {}, {}
-            one = st.summarize(path, parser=parser, work=work_one, decode_process=False)
-            two = st.summarize(path, parser=parser, work=work_two, decode_process=True)
-            assert two == one, (name, chunk)
-            assert work_two == work_one, (name, chunk)
+            full = st.summarize(path, parser="json")
+            skim = st.summarize(path, parser=parser)
+            assert skim["parser"].endswith("-skim") and full["parser"] == "json", (name, chunk)
+            assert {**skim, "parser": ""} == {**full, "parser": ""}, (name, chunk)
             if name == "odd":  # the non-UTF-8 byte replaced, the raw UTF-8 name read, the oddities counted
-                assert two["sections"]["st\ufffdep"]["count"] == 4
-                assert two["sections"]["validación_検証"]["count"] == 1
-                assert two["events"] == len(odd_trace()["traceEvents"])
-    assert len(children.procs) == 6 and all(proc.returncode == 0 for proc in children.procs)
+                assert skim["sections"]["st\ufffdep"]["count"] == 4
+                assert skim["sections"]["validación_検証"]["count"] == 1
+                assert skim["events"] == len(odd_trace()["traceEvents"])
 
 
-def test_a_malformed_event_is_named_by_its_byte_when_a_second_process_decodes_it(tmp_path):
+def test_every_event_a_kind_takes_holds_its_marker_and_the_skimmer_searches_every_kinds_marker():
+    """The skimmer decodes only events whose text holds a marker, so every event a kind of KINDS takes must hold its
+    kind's marker as written (escaped text is decoded anyway: a backslash is a marker too)."""
+    events = odd_trace()["traceEvents"] + json.loads(adversarial_trace(10)[0])["traceEvents"]
+    taken = dict.fromkeys(st.KINDS, 0)
+    for ev in events:
+        for name, kind in st.KINDS.items():
+            try:
+                row = kind.row(ev, {}) if isinstance(ev, dict) and ev.get("ph") == "X" else None
+            except (AttributeError, KeyError, TypeError, ValueError):
+                break
+            if row is not None:
+                assert len(row) == len(kind.fields), name
+                assert kind.marker in json.dumps(ev, ensure_ascii=False), (name, ev)
+                taken[name] += 1
+                break
+    assert all(taken.values()), taken
+    assert set(st._markers()) == {kind.marker for kind in st.KINDS.values()} | {"\\"}
+
+
+def test_a_new_kind_is_one_entry_in_the_table_and_the_skimmer_finds_its_events(tmp_path, monkeypatch):
+    """A kind added to KINDS alone (here: copies, whose GPU events hold no other marker once their correlation id is
+    gone) is kept by every parser, the skimmer included: its marker is searched without any other edit."""
+    trace = make_trace()
+    copy = {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD", "pid": GPU_PID, "tid": 9, "dur": 5}
+    copies = [{**copy, "ts": t} for t in range(0, 50_000, 5000)]
+    trace["traceEvents"][3:3] = copies
+    path = write(tmp_path / "trace.json", trace)
+
+    def copy_row(ev, numbers):
+        return (float(ev["ts"]), float(ev["dur"])) if ev.get("cat") == "gpu_memcpy" else None
+
+    kinds = {**st.KINDS, "copy": st.Kind("copies timed", '"gpu_memcpy"', ("ts", "dur"), copy_row)}
+    monkeypatch.setattr(st, "KINDS", kinds)
+    made = []
+
+    class Recorded(st._Collected):
+        def __init__(self):
+            super().__init__()
+            made.append(self)
+
+    monkeypatch.setattr(st, "_Collected", Recorded)
+    for parser in ("auto", "orjson", "json") if has("orjson") else ("auto", "json"):
+        summary = st.summarize(path, parser=parser)
+        check(summary["sections"], EXPECTED_KERNELS)
+        assert made[-1].count("copy") == len(copies), parser
+        assert list(made[-1].columns("copy")[0]) == [float(c["ts"]) for c in copies], parser
+
+
+@pytest.mark.parametrize("parser", ["auto", "orjson", "json"])
+def test_a_malformed_event_is_named_by_its_byte(tmp_path, parser):
+    needs(parser)
     text = kineto_text(make_trace())
     text, n = re.subn(r'"correlation": 2\b', '"correlation": 02', text, count=1)  # a leading zero: not JSON
     assert n == 1
     path = tmp_path / "trace.json"
     path.write_text(text)
-    for parser in ("auto", "orjson") if has("orjson") else ("auto",):
-        with pytest.raises(st.TraceError) as one:
-            st.summarize(path, parser=parser, decode_process=False)
-        with pytest.raises(st.TraceError) as two:
-            st.summarize(path, parser=parser, decode_process=True)
-        assert str(two.value) == str(one.value), parser
-        assert "trace.json: malformed JSON" in str(two.value) and " at byte " in str(two.value)
-
-
-class _Children:
-    """Records the decoding processes started (and lets a test replace the command)."""
-
-    def __init__(self, monkeypatch, command=None):
-        self.procs = []
-        real = subprocess.Popen
-
-        def popen(args, **kwargs):
-            proc = real(command or args, **kwargs)
-            self.procs.append(proc)
-            return proc
-
-        monkeypatch.setattr(st.subprocess, "Popen", popen)
-
-
-@pytest.mark.parametrize("fraction", [0.37, 0.9999])
-def test_a_cut_trace_is_truncated_with_a_second_process_and_the_process_is_ended(tmp_path, monkeypatch, fraction):
-    text, _ = adversarial_trace(8, seed=3)
-    path = tmp_path / "cut.json"
-    path.write_text(text[: int(len(text) * fraction)], encoding="utf-8")
-    children = _Children(monkeypatch)
-    threads = threading.active_count()
-    with pytest.raises(st.TraceError, match=r"cut\.json: truncated JSON"):
-        st.summarize(path, decode_process=True)
-    assert len(children.procs) == 1 and children.procs[0].poll() is not None  # ended and reaped
-    assert threading.active_count() == threads
-
-
-@pytest.mark.parametrize("how", ["exits-at-once", "no-result"])
-def test_a_decoding_process_that_dies_is_replaced_by_decoding_here(tmp_path, monkeypatch, caplog, how):
-    """A child that cannot read (it exits at once) or ends without a result: the trace is read again in this
-    process, with a warning, and the summary is right."""
-    path = write(tmp_path / "trace.json", make_trace())
-    code = "pass" if how == "exits-at-once" else "import sys; sys.stdin.buffer.read()"
-    children = _Children(monkeypatch, command=[sys.executable, "-c", code])
-    with caplog.at_level("WARNING", logger=st.logger.name):
-        summary = st.summarize(path, decode_process=True)
-    check(summary["sections"], EXPECTED_KERNELS)
-    check(summary["sections"], EXPECTED_CPU)
-    assert len(children.procs) == 1 and children.procs[0].poll() is not None
-    assert "decoding in this process instead" in caplog.text and "trace.json" in caplog.text
-
-
-def test_usable_cpus_are_the_affinity_mask_reduced_to_a_cgroup_quota(monkeypatch):
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5}, raising=False)
-    monkeypatch.setattr(st, "cgroup_cpu_quota", lambda root: None)
-    assert st.usable_cpus() == 6, "the affinity mask (taskset, SLURM's binding)"
-    monkeypatch.setattr(st, "cgroup_cpu_quota", lambda root: 2.5)
-    assert st.usable_cpus() == 3, "a container's CPU quota (Docker --cpus 2.5), rounded up"
-    monkeypatch.setattr(st, "cgroup_cpu_quota", lambda root: 0.5)
-    assert st.usable_cpus() == 1
-
-
-@pytest.mark.parametrize(
-    ("files", "quota"),
-    [({"cpu.max": "150000 100000\n"}, 1.5), ({"cpu.max": "max 100000\n"}, None), ({"cpu.max": "5 0\n"}, None),
-     ({"cpu/cpu.cfs_quota_us": "200000\n", "cpu/cpu.cfs_period_us": "100000\n"}, 2.0),
-     ({"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, None), ({}, None)],
-    ids=["cgroup2 quota", "cgroup2 no quota", "cgroup2 zero period", "cgroup1 quota", "cgroup1 no quota", "no cgroup"],
-)  # fmt: skip
-def test_the_cgroup_cpu_quota_is_read_from_both_cgroup_versions(tmp_path, files, quota):
-    for name, text in files.items():
-        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / name).write_text(text)
-    assert st.cgroup_cpu_quota(tmp_path) == quota
-
-
-def test_a_container_limited_to_one_cpu_keeps_one_process(tmp_path, monkeypatch):
-    """Many CPUs in the affinity mask but a cgroup quota of one (a Kubernetes limit): the two processes would share
-    one CPU's time, so the trace is read in one."""
-    path = write(tmp_path / "trace.json", make_trace())
-    children = _Children(monkeypatch)
-    monkeypatch.setattr(st, "DECODE_PROCESS_MIN_BYTES", 1)
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
-    monkeypatch.setattr(st, "cgroup_cpu_quota", lambda root: 1.0)
-    check(st.summarize(path)["sections"], EXPECTED_KERNELS)
-    assert children.procs == []
-    monkeypatch.setattr(st, "cgroup_cpu_quota", lambda root: 2.0)
-    check(st.summarize(path)["sections"], EXPECTED_KERNELS)
-    assert len(children.procs) == 1
-
-
-def test_the_second_process_is_used_for_large_files_when_two_cpus_are_free(tmp_path, monkeypatch):
-    path = write(tmp_path / "trace.json", make_trace())
-    children = _Children(monkeypatch)
-    monkeypatch.setattr(st, "usable_cpus", lambda: 2)
-    st.summarize(path)  # far below DECODE_PROCESS_MIN_BYTES
-    st.summarize(path, parser="json")  # decodes every event: nothing to share
-    assert children.procs == []
-    monkeypatch.setattr(st, "DECODE_PROCESS_MIN_BYTES", 1)
-    check(st.summarize(path)["sections"], EXPECTED_KERNELS)
-    assert len(children.procs) == 1
-    monkeypatch.setattr(st, "usable_cpus", lambda: 1)
-    st.summarize(path)
-    assert len(children.procs) == 1
-    # a gzipped trace is judged by the JSON it holds (its trailer), not by its size on disk
-    monkeypatch.setattr(st, "usable_cpus", lambda: 2)
-    packed = tmp_path / "trace.json.gz"
-    packed.write_bytes(gzip.compress(path.read_bytes()))
-    monkeypatch.setattr(st, "DECODE_PROCESS_MIN_BYTES", path.stat().st_size)
-    assert packed.stat().st_size < path.stat().st_size
-    check(st.summarize(packed)["sections"], EXPECTED_KERNELS)
-    assert len(children.procs) == 2
+    with pytest.raises(st.TraceError) as error:
+        st.summarize(path, parser=parser)
+    byte = text.index('"correlation": 02') + len('"correlation": 0')  # where the scanner finds the '2'
+    assert f"trace.json: malformed JSON (Expecting ',' delimiter at byte {byte})" in str(error.value)
 
 
 @pytest.mark.parametrize("fraction", [0.01, 0.37, 0.5, 0.81, 0.9999])
@@ -760,31 +700,37 @@ def test_a_cut_trace_of_mixed_layouts_is_reported_as_truncated(tmp_path, fractio
             st.summarize(path, parser=parser)
 
 
-def test_a_failure_early_in_a_compressed_trace_stops_the_read_ahead_thread(tmp_path):
+def test_a_failure_early_in_a_compressed_trace_stops_reading_at_once(tmp_path, monkeypatch):
     path = tmp_path / "trace.json.gz"
     body = kineto_text(make_trace())
     path.write_bytes(gzip.compress(('{"traceEvents": [{"ph": "X"} {' + body * 200).encode()))  # malformed at once
-    before = threading.active_count()
+    monkeypatch.setattr(st, "_CHUNK_CHARS", 1 << 12)
+    before, work = threading.active_count(), {}
     with pytest.raises(st.TraceError, match="malformed"):
-        st.summarize(path)
-    assert threading.active_count() == before
+        st.summarize(path, work=work)
+    assert threading.active_count() == before and work["read"] <= 1 << 13  # not inflated on behind the error
 
 
 @pytest.mark.parametrize("suffix", [".json", ".json.gz"])
 @pytest.mark.parametrize("good", [True, False], ids=["read", "malformed"])
-def test_reading_leaves_no_thread_and_the_interpreters_switch_interval_as_it_was(tmp_path, suffix, good):
-    """The file is read ahead by a thread with a short GIL switch interval while it runs (the summariser is also
-    called inside a training process): afterwards, whether the trace was read or refused, both are as before."""
+def test_reading_leaves_no_thread_and_never_touches_the_interpreters_switch_interval(
+    tmp_path, monkeypatch, suffix, good
+):
+    """The summariser is also called inside a training process (and may be called from two threads at once), so it
+    must not start threads it leaves behind nor change interpreter-wide settings such as the GIL's switch interval,
+    even for a while: whether the trace was read or refused, no thread is left and nothing was set."""
     text = kineto_text(make_trace()) if good else '{"traceEvents": [{"ph": "X"} {'
     path = tmp_path / f"trace{suffix}"
     path.write_bytes(gzip.compress(text.encode()) if suffix.endswith(".gz") else text.encode())
-    before, interval = threading.active_count(), sys.getswitchinterval()
+    calls = []
+    monkeypatch.setattr(sys, "setswitchinterval", lambda value: calls.append(value))
+    before = threading.active_count()
     if good:
         check(st.summarize(path)["sections"], EXPECTED_KERNELS)
     else:
         with pytest.raises(st.TraceError, match="malformed"):
             st.summarize(path)
-    assert threading.active_count() == before and sys.getswitchinterval() == interval
+    assert threading.active_count() == before and calls == []
 
 
 def test_json_gz_and_zip_inputs_give_identical_results(tmp_path):
@@ -873,36 +819,27 @@ def test_missing_file_and_gzip_garbage_are_clear_errors(tmp_path):
         st.summarize(garbage)
 
 
-@pytest.mark.parametrize(("read", "chunk"), [(7, 5), (64, 4096), (1 << 18, 1 << 22)])
-def test_gzip_members_and_padding_inflate_whole_at_any_chunk_boundary(tmp_path, monkeypatch, read, chunk):
-    """The read-ahead inflates every member of a gzip file (zero padding between them skipped, as gzip does) and
-    reports a cut stream; the summary equals the plain file's."""
-    monkeypatch.setattr(st, "_GZIP_READ", read)
-    monkeypatch.setattr(st, "_INFLATE_CHUNK", chunk)
+@pytest.mark.parametrize("chunk", [5, 4096, 1 << 22])
+def test_gzip_members_and_padding_inflate_whole_at_any_chunk_boundary(tmp_path, monkeypatch, chunk):
+    """Every member of a gzip file is read (zero padding between them skipped, as gzip does) and a cut stream is
+    reported; the summary equals the plain file's."""
+    monkeypatch.setattr(st, "_CHUNK_CHARS", chunk)
     text = kineto_text(make_trace()).encode()
     half = len(text) // 2
     packed = gzip.compress(text[:half]) + b"\0" * 5 + gzip.compress(text[half:]) + b"\0" * 3
     (tmp_path / "trace.json.gz").write_bytes(packed)
     (tmp_path / "trace.json").write_bytes(text)
     (tmp_path / "cut.json.gz").write_bytes(packed[: len(packed) - 40])
-    with open(tmp_path / "trace.json.gz", "rb") as f:
-        assert b"".join(st._inflate(f, chunk)) == text
     plain = st.summarize(tmp_path / "trace.json")
     assert {**st.summarize(tmp_path / "trace.json.gz"), "trace": ""} == {**plain, "trace": ""}
-    cut = tmp_path / "cut.json.gz"
-    with open(cut, "rb") as f, pytest.raises(EOFError, match="ends before its end-of-stream marker"):
-        b"".join(st._inflate(f, chunk))
-    with pytest.raises(st.TraceError, match=r"cut\.json\.gz: cannot read"):
-        st.summarize(cut)
+    with pytest.raises(st.TraceError, match=r"cut\.json\.gz: cannot read.*end-of-stream marker"):
+        st.summarize(tmp_path / "cut.json.gz")
 
 
-@pytest.mark.parametrize("value", ["true", "false", "True", "False"])
-def test_decode_process_is_read_from_the_command_line_whatever_its_case(tmp_path, value):
-    result = run_cli(write(tmp_path / "trace.json", make_trace()), "--format", "json", "--decode_process", value)
-    assert result.returncode == 0, result.stderr
-    check(json.loads(result.stdout)["sections"], EXPECTED_KERNELS)
-    refused = run_cli(tmp_path / "trace.json", "--decode_process", "sometimes")
-    assert refused.returncode == 2 and "--decode_process must be true or false" in refused.stderr
+def test_cli_refuses_an_unknown_parser_naming_the_choices(tmp_path):
+    result = run_cli(write(tmp_path / "trace.json", make_trace()), "--parser", "ijson")  # a parser of 0.5.1
+    assert result.returncode == 2 and "unknown parser 'ijson'; use one of auto, orjson, json" in result.stderr
+    assert "Traceback" not in result.stderr
 
 
 def test_json_format_has_the_documented_shape(tmp_path):
@@ -947,10 +884,10 @@ def test_module_is_standalone_no_torch_no_bundle_imports(tmp_path):
     result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
-    # every import statement names a standard-library module (fire, ijson, orjson are imported only where optional)
+    # every import statement names a standard-library module (fire and orjson are imported only where optional)
     import ast
 
-    allowed_optional = {"fire", "ijson", "orjson", "argparse"}
+    allowed_optional = {"fire", "orjson", "argparse"}
     for node in ast.walk(ast.parse(MODULE.read_text())):
         names = []
         if isinstance(node, ast.Import):
@@ -963,15 +900,15 @@ def test_module_is_standalone_no_torch_no_bundle_imports(tmp_path):
             assert top in sys.stdlib_module_names or top in allowed_optional or top == "__future__", name
 
 
-def test_copied_file_runs_alone_without_fire_or_ijson(tmp_path):
-    """The copy runs alone, its decoding process too (it loads the copy by its path)."""
+def test_copied_file_runs_alone_without_fire_or_orjson(tmp_path):
+    """The copy runs alone on a laptop with neither installed: argparse reads its options."""
     copy = tmp_path / "summarize_trace.py"
     copy.write_bytes(MODULE.read_bytes())
     trace = write(tmp_path / "trace.json", make_trace())
     code = (
         "import runpy, sys\n"
-        "sys.modules['fire'] = None; sys.modules['ijson'] = None\n"  # as if neither were installed
-        f"sys.argv = ['summarize_trace.py', {str(trace)!r}, '--format', 'json', '--decode_process', 'true']\n"
+        "sys.modules['fire'] = None; sys.modules['orjson'] = None\n"  # as if neither were installed
+        f"sys.argv = ['summarize_trace.py', {str(trace)!r}, '--format', 'json']\n"
         f"runpy.run_path({str(copy)!r}, run_name='__main__')\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
