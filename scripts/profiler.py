@@ -7,6 +7,8 @@ each completed cycle, under ``<output_dir>/profiler/``:
 * ``<step>-chrome_trace.json.gz`` -- open in https://ui.perfetto.dev or chrome://tracing, or summarise it with
   ``python -m scripts.summarize_trace``;
 * ``<step>-trace_summary.txt`` -- key averages sorted by device time (self CPU time on a CPU-only run);
+* ``<step>-key_averages.json`` -- every row of those key averages as numbers (microseconds), torch's own accounting
+  of the same events, against which a summary of the trace can be checked (``benchmarks/gpu_proof.py`` does);
 * ``memory.pickle`` -- CUDA/ROCm allocator history from the start until the end of the first cycle
   (https://pytorch.org/memory_viz); skipped, with a log line, without a GPU.
 
@@ -21,10 +23,12 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 from ignite.engine import Engine, Events
 from monai.engines.utils import IterationEvents
+from scripts.files import write_json
 
 logger = logging.getLogger(__name__)
 
@@ -204,10 +208,12 @@ class ProfilerHandler:
         profiler.export_chrome_trace(str(tmp))
         os.replace(tmp, trace)
         sort_by = "self_cuda_time_total" if self.device else "self_cpu_time_total"
-        table = profiler.key_averages().table(sort_by=sort_by, row_limit=self.row_limit)
+        averages = profiler.key_averages()
+        table = averages.table(sort_by=sort_by, row_limit=self.row_limit)
         summary = self.dir / f"{step}-trace_summary.txt"
         summary.write_text(f"key averages of iterations up to {step}, sorted by {sort_by}\n{table}\n")
-        self.written += [trace, summary]
+        rows = write_json(self.dir / f"{step}-key_averages.json", key_average_rows(averages))
+        self.written += [trace, summary, rows]
         self.cycles += 1
         logger.info("profiler cycle %d: wrote %s and %s", self.cycles, trace, summary.name)
         if self.cycles == 1:
@@ -221,3 +227,24 @@ class ProfilerHandler:
             torch.cuda.memory._record_memory_history(enabled=None)
             self.written.append(path)
             logger.info("profiler: wrote the allocator history to %s", path)
+
+
+def key_average_rows(averages: Any) -> list[dict[str, Any]]:
+    """Each row of ``profiler.key_averages()`` as plain numbers: name, count, device type and the total and self
+    times in microseconds (CPU and device; ``device_*`` is CUDA/HIP kernel time, 0 on a CPU-only run)."""
+    rows = []
+    for row in averages:
+        device = getattr(row, "device_time_total", None)  # torch < 2.4 named these cuda_*
+        self_device = getattr(row, "self_device_time_total", None)
+        rows.append(
+            {
+                "name": row.key,
+                "count": int(row.count),
+                "device_type": str(row.device_type).rsplit(".", 1)[-1],
+                "cpu_time_total_us": float(row.cpu_time_total),
+                "self_cpu_time_total_us": float(row.self_cpu_time_total),
+                "device_time_total_us": float(row.cuda_time_total if device is None else device),
+                "self_device_time_total_us": float(row.self_cuda_time_total if self_device is None else self_device),
+            }
+        )
+    return rows

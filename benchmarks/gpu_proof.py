@@ -1,0 +1,1105 @@
+"""The GPU proof kit: one command that runs every GPU path of the bundle and measures it, for a GPU lent for minutes.
+
+    python -m benchmarks.gpu_proof --output_dir DIR [--budget_s 360] [--only train,resume] [--dry_run true]
+
+Steps (:data:`STEPS`, in this order): the environment (device, driver, torch/CUDA/cuDNN, host CPUs); synthetic data
+(512 x 512 x 120 chest CTs as DICOM, prepared); the network (FLOPs of one training step by ``FlopCounterMode``,
+random weights for evaluation and inference); one short training run (AMP fp16 with GradScaler, fused AdamW, the
+NVML monitor) and the checks of its checkpoint and monitor files; resume from it; ``profile.yaml`` (chrome trace
+with CUDA kernels, ``memory.pickle``) and the trace summariser on that trace, checked against torch.profiler's own
+``key_averages()`` of the same run; evaluate and inference with the out-of-memory fallback forced once; torchrun
+with NCCL; training throughput (``benchmark.yaml``) of the seed-style loop, the bundle's defaults, bf16, ``cache:
+gpu`` and the best switches (with ``torch.compile``), each with model-FLOP utilisation; full-CT inference (DICOM in,
+NIfTI + SEG out) without and with ``torch.compile``.
+
+Every step runs in a child process with a time limit (:class:`Runner`), so a crash, a CUDA error or a hang ends that
+step only: it is recorded as ``failed`` with the last lines of its log (``DIR/logs/<step>.log``) and the next step
+runs. A step is ``skipped`` with its reason: ``no GPU`` (CUDA-only), ``budget`` (it would not finish within
+``--budget_s``; its estimate is in :class:`Sizes`), or a step it needs that did not succeed. After every step the
+command prints its running total and rewrites ``DIR/gpu_proof.json`` and ``DIR/gpu_proof.md``, so a run cut short
+still leaves its results. ``--only`` runs the named steps (and the steps they need) again, e.g. after a fix.
+
+``--dry_run true`` runs the same steps on the CPU with a tiny network and tiny cases (:data:`DRY`): every step that
+needs no CUDA runs for real (torchrun with gloo), the CUDA-only ones are skipped ("no GPU"); tests/test_gpu_proof.py
+runs it. Nothing a dry run prints is a GPU number.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import dataclasses
+import gzip
+import json
+import logging
+import os
+import re
+import runpy
+import signal
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from benchmarks.bench_switches import SWITCH_SETS
+from scripts.config import as_bool
+from scripts.cpus import usable_cpus
+from scripts.files import write_json, write_text
+from scripts.labels import COLLECTION
+from scripts.summarize_trace import SECTION_PREFIX, summarize
+
+ROOT = Path(__file__).resolve().parents[1]
+#: dense bf16 peak (TFLOP/s, no sparsity) by the words of torch's device name; the first entry whose words all occur
+#: in the name (case-insensitive) wins. A device not listed gets no MFU (it says so) rather than a guessed one.
+PEAK_BF16_TFLOPS: tuple[tuple[tuple[str, ...], float], ...] = (
+    (("H200",), 989.4),
+    (("H100", "PCIe"), 756.0),
+    (("H100", "HBM3"), 989.4),  # H100 SXM5 reports itself as "NVIDIA H100 80GB HBM3"
+    (("H100", "SXM"), 989.4),
+    (("A100",), 312.0),
+    (("MI300X",), 1307.4),
+)
+TARGET_SPEEDUP = 2.0  # the best switches against the seed-style loop
+TARGET_MFU = 0.25
+TARGET_NETWORK_S = 1.0  # full-CT inference, network time of one 512 x 512 x 120 CT (the MI300X blog's 1.17 s)
+#: modules a dry run's children would each import (about 10 s of a 2-core machine): imported once, then forked
+PRELOAD = ("torch", "monai.bundle", "monai.engines", "monai.handlers", "monai.networks.nets", "scripts.data",
+           "scripts.checkpoint", "scripts.inferers", "scripts.evaluators", "scripts.outputs", "scripts.evaluation",
+           "scripts.inputs", "scripts.profiler", "scripts.benchmark", "scripts.weights", "scripts.ensemble",
+           "scripts.figures", "scripts.accelerator")  # fmt: skip
+FALLBACK_LOG = "out of memory in sliding-window inference"  # scripts.inferers' warning when it retries a case
+LOG_TAIL_LINES = 25
+
+
+# ------------------------------------------------------------------------------------------------------------ sizes
+@dataclass(frozen=True)
+class Sizes:
+    """How large the kit's runs are: the GPU's (train.yaml's network and patch on realistic CTs) or the dry run's.
+
+    ``settings`` go to every bundle run on top of its configs; ``case`` is the synthetic CT written for training and
+    for full-CT inference: (columns, rows, slices), pixel spacing (mm), and whether it is the chest phantom
+    (:func:`scripts.synthetic.write_chest_case`) or scripts.synthetic's simpler case. ``estimates_s`` are the
+    expected seconds of the steps (the budget's guard; on a GPU a guess until a run has measured them)."""
+
+    settings: dict[str, Any]
+    case: tuple[tuple[int, int, int], float, bool]
+    training_cases: int  # written and prepared: the split gives most to training, one to validation
+    iterations: int  # training iterations of each path run (train, resume, torchrun)
+    profile_schedule: tuple[int, int, int, int]
+    bench: tuple[int, int]  # a throughput row's warm-up and timed iterations
+    timeout_s: float  # one child's limit; a run that compiles gets three times this
+    estimates_s: dict[str, float] = field(default_factory=dict)
+
+
+GPU = Sizes(
+    settings={},  # train.yaml's own: SwinUNETR f48, 96^3 patches, 1 x 1 x 3 mm, 4 patches a step, 4 workers
+    case=((512, 512, 120), 0.9765625, True),
+    training_cases=4,
+    iterations=2,
+    profile_schedule=(1, 1, 2, 1),
+    bench=(3, 10),
+    timeout_s=180,
+    # guesses from CPU runs and H100 figures until a GPU run measures them (gpu_proof.json has each step's seconds):
+    # ~4 s to start Python with torch and MONAI, cuDNN's search on the first steps, compilation ~1-2 min
+    estimates_s={
+        "environment": 6,
+        "data": 15,
+        "network": 10,
+        "train": 25,
+        "resume": 20,
+        "profile": 25,
+        "evaluate_oom": 20,
+        "inference_oom": 20,
+        "torchrun": 25,
+        "throughput_seed": 20,
+        "throughput_defaults": 20,
+        "throughput_bf16": 20,
+        "throughput_cache_gpu": 20,
+        "fullct_inference": 25,
+        "throughput_best": 110,
+        "fullct_inference_compile": 70,
+    },
+)
+DRY = Sizes(
+    # the tests' kind of network for mechanics: a small BasicUNet steps ~4x faster than SwinUNETR f12 on 2 cores
+    # (0.5-1 s against 2-5 s for a 64 x 32 x 32 patch, forward + backward), so a dozen runs fit in a minute
+    settings={
+        "network_def": {
+            "_target_": "BasicUNet",
+            "spatial_dims": 3,
+            "in_channels": 1,
+            "out_channels": "@num_classes",
+            "features": [4, 4, 8, 8, 16, 4],
+        },
+        "roi_size": [64, 32, 32],  # the smallest patch check_config allows (it is SwinUNETR's)
+        "spacing": [2.0, 2.0, 3.0],
+        "num_samples": 1,
+        "num_workers": 0,
+        "sw_batch_size": 2,
+        "device": "$torch.device('cpu')",
+    },
+    case=((48, 48, 24), 2.0, False),
+    training_cases=4,
+    iterations=1,
+    profile_schedule=(0, 1, 1, 1),
+    bench=(0, 1),
+    timeout_s=150,
+)
+
+#: the dry run's sizes on the default device: the GPU paths in seconds (tests/test_gpu_proof.py's gpu tests)
+TINY = dataclasses.replace(DRY, settings={k: v for k, v in DRY.settings.items() if k != "device"})
+
+
+# ----------------------------------------------------------------------------------------------------------- runner
+class StepFailed(RuntimeError):
+    """A step's check failed or its child ended badly; ``tail`` holds the last lines of the child's log, ``numbers``
+    what the step measured all the same (kept in its record)."""
+
+    def __init__(self, message: str, tail: str = "", numbers: dict[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.tail, self.numbers = tail, numbers
+
+
+class _Skip(Exception):
+    """The step cannot run here (no GPU, no budget left, a step it needs did not succeed); the message says why."""
+
+
+@dataclass
+class Child:
+    """How a child process ended: exit status (None: killed at its time limit), seconds, its log."""
+
+    returncode: int | None
+    seconds: float
+    log: Path
+
+    def tail(self, lines: int = LOG_TAIL_LINES) -> str:
+        """The last ``lines`` lines of the log (each cut to 300 characters): where a traceback ends."""
+        text = self.log.read_text(errors="replace") if self.log.is_file() else ""
+        return "\n".join(line[:300] for line in text.splitlines()[-lines:])
+
+    def log_text(self) -> str:
+        """The whole log (empty when there is none)."""
+        return self.log.read_text(errors="replace") if self.log.is_file() else ""
+
+
+class Runner:
+    """Run ``python -m <module> <args>`` in a child process with its output in a log file and a time limit, so that a
+    crash, a CUDA error or a hang ends that child only (its whole process group, DataLoader workers included).
+
+    ``fork=False`` (every run on a GPU): a fresh interpreter per run, as a user runs the bundle -- nothing (a CUDA
+    context, compiled graphs, warm caches) carries over, so the timings of two runs compare. ``fork=True`` (the CPU
+    dry run): a fork of this process, which imported torch and MONAI once (:data:`PRELOAD`), because importing MONAI
+    costs a 2-core machine ~10 s per child. A process that forks must never have initialised CUDA, which is one more
+    reason why GPU runs start fresh interpreters."""
+
+    def __init__(self, fork: bool) -> None:
+        self.fork = fork
+        self.preload_s: float | None = None
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+
+    def module(self, module: str, args: Sequence[str], log: Path, timeout_s: float) -> Child:
+        """``python -m module args`` (forked or fresh, see the class docstring), run from the bundle's root."""
+        if not self.fork:
+            return self._fresh([sys.executable, "-m", module, *args], log, timeout_s)
+        self._preload()
+        log.parent.mkdir(parents=True, exist_ok=True)
+        start = time.monotonic()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            _run_forked(module, list(args), log)  # never returns
+        return Child(_wait(pid, start + timeout_s), time.monotonic() - start, log)
+
+    def _fresh(self, argv: Sequence[str], log: Path, timeout_s: float) -> Child:
+        """``argv`` in a fresh process from the bundle's root, in a session of its own."""
+        log.parent.mkdir(parents=True, exist_ok=True)
+        start = time.monotonic()
+        with open(log, "wb") as out:
+            process = subprocess.Popen(list(argv), cwd=ROOT, env=self.env, stdout=out, stderr=subprocess.STDOUT,
+                                       start_new_session=True)  # fmt: skip
+            try:
+                code: int | None = process.wait(timeout=max(timeout_s, 1.0))
+            except subprocess.TimeoutExpired:
+                code = None
+            _kill_group(process.pid)
+            process.wait()
+        return Child(code, time.monotonic() - start, log)
+
+    def _preload(self) -> None:
+        """Import :data:`PRELOAD` once (fork mode), so each forked child starts with them imported."""
+        if self.preload_s is None:
+            start = time.monotonic()
+            for name in PRELOAD:
+                with contextlib.suppress(ImportError):
+                    __import__(name)
+            self.preload_s = round(time.monotonic() - start, 1)
+
+
+def _run_forked(module: str, args: list[str], log: Path) -> None:
+    """(In the forked child) run ``module`` as ``python -m`` would, output to ``log``, then leave with its status."""
+    code = 1
+    try:
+        os.setpgid(0, 0)
+        os.chdir(ROOT)
+        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+        for stream in (sys.stdout, sys.stderr):  # a child killed at its limit keeps what it printed
+            with contextlib.suppress(AttributeError):
+                stream.reconfigure(line_buffering=True)
+        os.environ["PYTHONUNBUFFERED"] = "1"
+        sys.argv = [module, *args]
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        code = 0
+    except SystemExit as stop:
+        if isinstance(stop.code, str):
+            print(stop.code, file=sys.stderr)
+        code = stop.code if isinstance(stop.code, int) else int(stop.code is not None)
+    except Exception:  # reported in the log, as python -m would (anything else: the status stays 1)
+        traceback.print_exc()
+    finally:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def _wait(pid: int, deadline: float) -> int | None:
+    """The exit status of forked child ``pid``; None when it was killed at ``deadline`` (time.monotonic)."""
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            _kill_group(pid)  # what it left behind (DataLoader workers)
+            return os.waitstatus_to_exitcode(status)
+        if time.monotonic() > deadline:
+            _kill_group(pid)
+            os.waitpid(pid, 0)
+            return None
+        time.sleep(0.05)
+
+
+def _kill_group(pgid: int) -> None:
+    """SIGKILL the process group the kit started for one child (gone already: nothing to do)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
+
+
+# -------------------------------------------------------------------------------------------------------- the kit
+@dataclass(frozen=True)
+class Step:
+    """One named step: what it proves (``title``), its function (returns the step's numbers; raises :class:`_Skip` or
+    :class:`StepFailed`), the steps whose results it needs, whether it needs CUDA, and whether it is heavy (a bundle
+    run: skipped when the budget would not hold it)."""
+
+    name: str
+    title: str
+    run: Callable[[Kit], dict[str, Any]]
+    needs: tuple[str, ...] = ()
+    gpu_only: bool = False
+    heavy: bool = True
+
+
+class Kit:
+    """The state of one run of the kit: where it writes, its sizes, its child runner, and every step's record."""
+
+    def __init__(self, output_dir: Path, dry_run: bool, gpu: bool, budget_s: float, tiny: bool = False) -> None:
+        self.out = output_dir
+        self.dry_run, self.gpu, self.budget_s = dry_run, gpu, float(budget_s)
+        self.sizes = GPU if not (dry_run or tiny) else DRY if dry_run else TINY
+        self.mode = "dry run" if dry_run else "tiny" if tiny else "full"
+        self.runner = Runner(fork=dry_run)
+        self.started = time.monotonic()
+        self.started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        self.records: dict[str, dict[str, Any]] = {}
+        self.data = self.out / "data"
+        self.prepared = self.data / "prepared"
+        self.weights = self.out / "models" / "model.pt"
+
+    # ------------------------------------------------------------------ children
+    def elapsed(self) -> float:
+        """Seconds since the kit started."""
+        return time.monotonic() - self.started
+
+    def time_left(self, step: str, factor: float = 1.0) -> float:
+        """A child's time limit: the sizes' limit (times ``factor``), never past the budget plus a minute."""
+        left = self.budget_s + 60 - self.elapsed()
+        if left <= 5:
+            raise _Skip(f"budget: {self.elapsed():.0f} s of {self.budget_s:.0f} s spent before {step}")
+        return min(self.sizes.timeout_s * factor, left)
+
+    def log(self, name: str) -> Path:
+        """Where the child of step (or helper run) ``name`` writes its output."""
+        return self.out / "logs" / f"{name}.log"
+
+    def check(self, child: Child, what: str) -> Child:
+        """``child`` if it ended with status 0; else :class:`StepFailed` naming ``what`` with its log's tail."""
+        if child.returncode is None:
+            raise StepFailed(f"{what}: killed after {child.seconds:.0f} s (its time limit)", child.tail())
+        if child.returncode != 0:
+            raise StepFailed(f"{what}: exit status {child.returncode} (log: {child.log})", child.tail())
+        return child
+
+    def helper(self, name: str, log_name: str, factor: float = 1.0, **options: Any) -> dict[str, Any]:
+        """Run one of :data:`HELPERS` in a child (it may import torch and touch the device); its JSON result."""
+        result = self.out / "helpers" / f"{log_name}.json"
+        result.unlink(missing_ok=True)
+        args = ["helper", name, "--out", str(result), *_flags(options)]
+        self.check(self.runner.module("benchmarks.gpu_proof", args, self.log(log_name), self.time_left(name, factor)),
+                   f"helper {name}")  # fmt: skip
+        return json.loads(result.read_text())
+
+    def bundle(self, name: str, configs: Sequence[str], factor: float = 1.0, torchrun: bool = False,
+               **settings: Any) -> tuple[Path, Child]:  # fmt: skip
+        """One ``monai.bundle run`` of ``configs`` (under configs/) with ``settings`` (see :meth:`training`) in a
+        child, under torchrun (``--standalone --nproc_per_node=1``) when asked; its output folder and the child.
+        ``factor`` scales the child's time limit (a run that compiles)."""
+        run_dir = self.out / "runs" / name
+        merged = {"output_dir": run_dir, **settings}
+        args = ["run", "--config_file", str([str(ROOT / "configs" / c) for c in configs]), "--bundle_root", str(ROOT)]
+        args += _flags(merged)
+        limit = self.time_left(name, factor)
+        if torchrun:  # torchrun's agent, which starts the worker as a fresh `python -m monai.bundle`
+            launcher = ["--standalone", "--nproc_per_node=1", "-m", "monai.bundle"]
+            child = self.runner.module("torch.distributed.run", [*launcher, *args], self.log(name), limit)
+        else:
+            child = self.runner.module("monai.bundle", args, self.log(name), limit)
+        self.check(child, f"monai.bundle run {' + '.join(configs)}")
+        return Path(merged["output_dir"]), child
+
+    def training(self, name: str, **settings: Any) -> dict[str, Any]:
+        """The settings of a run on the kit's prepared data: the sizes', its own weights file (never the bundle's
+        models/model.pt), no preparation (the data step did it), then ``settings``."""
+        run_dir = self.out / "runs" / name
+        return {"dataset_dir": self.data / "train", "prepared_dir": self.prepared, "prepare_data": False,
+                "model_path": run_dir / "model.pt", **self.sizes.settings, **settings}  # fmt: skip
+
+    def numbers(self, step: str) -> dict[str, Any]:
+        """The numbers of an earlier step that succeeded (:class:`_Skip` if it did not)."""
+        record = self.records.get(step)
+        if not record or record["status"] != "ok":
+            raise _Skip(f"needs {step} ({record['status'] if record else 'not run'})")
+        return record["numbers"]
+
+    # ------------------------------------------------------------------ running the steps
+    def run(self, steps: Sequence[Step]) -> None:
+        """Run ``steps`` in order, each recorded, printed and saved as soon as it ends."""
+        for index, step in enumerate(steps, 1):
+            record = self._run_step(step)
+            self.records[step.name] = record
+            reason = f" ({record['reason']})" if record.get("reason") else ""
+            print(f"gpu_proof [{index:2d}/{len(steps)}] {step.name:<26} {record['status']:<7} "
+                  f"{record['seconds']:7.1f} s{reason} | total {self.elapsed():6.1f} s of {self.budget_s:.0f} s",
+                  flush=True)  # fmt: skip
+            if record["status"] == "failed":
+                print(_indent(record["error"]), flush=True)
+            self.save()
+
+    def _run_step(self, step: Step) -> dict[str, Any]:
+        """One step's record: ok with its numbers, skipped with the reason, or failed with the error's last lines."""
+        start = time.monotonic()
+        record: dict[str, Any] = {"name": step.name, "title": step.title, "status": "ok", "seconds": 0.0}
+        try:
+            for need in step.needs:
+                self.numbers(need)
+            if step.gpu_only and not self.gpu:
+                raise _Skip("no GPU" if not self.dry_run or not _cuda_visible() else "dry run: CPU only")
+            estimate = self.sizes.estimates_s.get(step.name, 0.0)
+            if step.heavy and self.elapsed() + estimate > self.budget_s:
+                spent = self.elapsed()
+                raise _Skip(f"budget: {spent:.0f} s spent, ~{estimate:.0f} s more would pass {self.budget_s:.0f} s")
+            record["numbers"] = step.run(self)
+        except _Skip as skip:
+            record.update(status="skipped", reason=str(skip))
+        except StepFailed as failure:
+            record.update(status="failed", error=f"{failure}\n{failure.tail}".strip())
+            if failure.numbers:
+                record["numbers"] = failure.numbers
+        except Exception as error:  # the kit's own bug in one step must not end the others
+            record.update(status="failed", error=f"{type(error).__name__}: {error}\n{traceback.format_exc(limit=4)}")
+        record["seconds"] = round(time.monotonic() - start, 1)
+        if self.log(step.name).is_file():
+            record["log"] = str(self.log(step.name))
+        return record
+
+    # ------------------------------------------------------------------ reports
+    def environment(self) -> dict[str, Any]:
+        """The environment step's numbers (empty until it succeeded)."""
+        return self.records.get("environment", {}).get("numbers", {})
+
+    def report(self) -> dict[str, Any]:
+        """Everything the kit knows so far, as ``gpu_proof.json`` holds it."""
+        statuses = [r["status"] for r in self.records.values()]
+        return {
+            "kit": "python -m benchmarks.gpu_proof", "mode": self.mode, "gpu": self.gpu, "started": self.started_at,
+            "elapsed_s": round(self.elapsed(), 1), "budget_s": self.budget_s,
+            "preload_s": self.runner.preload_s, "environment": self.environment(),
+            "counts": {s: statuses.count(s) for s in ("ok", "failed", "skipped")},
+            "steps": list(self.records.values()), "throughput": throughput_rows(self.records),
+            "fullct_inference": fullct_rows(self.records), "targets": targets(self),
+        }  # fmt: skip
+
+    def save(self) -> None:
+        """Rewrite gpu_proof.json and gpu_proof.md (atomically: a killed run leaves the last complete pair)."""
+        report = self.report()
+        write_json(self.out / "gpu_proof.json", report, default=str)
+        write_text(self.out / "gpu_proof.md", format_markdown(report))
+
+
+# ---------------------------------------------------------------------------------------------------------- steps
+def step_environment(kit: Kit) -> dict[str, Any]:
+    """Device name, driver, torch/CUDA/cuDNN/MONAI versions and the host's CPUs, as a child sees them."""
+    info = kit.helper("environment", "environment", dry_run=kit.dry_run)
+    kit.gpu = not kit.dry_run and bool(info["cuda_available"])  # torch's word, from a child: this process forks
+    info["peak_bf16_tflops"], info["peak_source"] = peak_bf16_tflops(str(info.get("device_name") or ""), kit.gpu)
+    return info
+
+
+def step_data(kit: Kit) -> dict[str, Any]:
+    """Synthetic training cases and two full-CT inference cases as DICOM (kept when written already), prepared."""
+    from scripts.prepare import prepare
+
+    (shape, pixel, chest), start = kit.sizes.case, time.monotonic()
+    cases = [(kit.data / "train", f"LUNG1-{i + 1:03d}", i + 1) for i in range(kit.sizes.training_cases)]
+    cases += [(kit.data / "fullct", f"FULLCT-{i + 1}", 7) for i in range(2)]  # one CT twice: the second is warm
+    todo = [c for c in cases if not (c[0] / COLLECTION / c[1]).is_dir()]
+    with ProcessPoolExecutor(max_workers=max(1, min(len(todo), usable_cpus()))) as pool:
+        for done in [pool.submit(_write_case, *c, shape, pixel, chest) for c in todo]:
+            done.result()
+    written = time.monotonic() - start
+    report = prepare(kit.data / "train", kit.prepared, num_workers=usable_cpus(), progress=False)
+    datalist = json.loads((kit.prepared / "datalist.json").read_text())
+    split = {k: len(datalist.get(k, [])) for k in ("training", "validation")}
+    if not split["training"] or not split["validation"]:
+        raise StepFailed(f"prepare gave {split} cases; see {kit.prepared / 'prepare_report.json'}")
+    return {"case_shape": list(shape), "pixel_spacing_mm": pixel, "phantom": "chest" if chest else "synthetic",
+            "cases_written": len(todo), "write_s": round(written, 1), "split": split,
+            "prepare_s": round(time.monotonic() - start - written, 1),
+            "rejected": len([c for c in report.get("cases", []) if c.get("status") == "rejected"])}  # fmt: skip
+
+
+def _write_case(folder: Path, patient_id: str, seed: int, shape: tuple, pixel: float, chest: bool) -> None:
+    """One synthetic CT with its SEG in the TCIA layout (a worker process of :func:`step_data`)."""
+    from scripts.synthetic import write_case, write_chest_case
+
+    if chest:
+        write_chest_case(folder, patient_id, shape, pixel, 3.0, seed=seed)
+    else:
+        write_case(folder, patient_id, seed, shape, (pixel, pixel), 3.0, tumour_hu=400)
+
+
+def step_network(kit: Kit) -> dict[str, Any]:
+    """FLOPs of one training step (FlopCounterMode, forward + backward of the step's patches) on the device, and
+    random weights for evaluation and inference (their values do not change the time)."""
+    settings = {**kit.sizes.settings, "model_path": kit.weights}
+    return kit.helper("network", "network", settings=json.dumps(settings, default=str))
+
+
+def step_train(kit: Kit) -> dict[str, Any]:
+    """One short epoch of train.yaml with validation and a checkpoint: AMP fp16 with GradScaler, fused AdamW and the
+    NVML monitor on a GPU (train.yaml's defaults there); float32 on a CPU, where AMP is off."""
+    epochs = {"train#trainer#epoch_length": kit.sizes.iterations}
+    settings = kit.training("train", max_epochs=1, val_interval=1, **epochs)
+    run_dir, child = kit.bundle("train", ["train.yaml"], **settings)
+    found = re.search(r"best validation Dice ([0-9.]+) at epoch (\d+)", child.log_text())
+    state = kit.helper("checkpoint", "train_checkpoint", path=str(run_dir / "checkpoints" / "latest.pt"))
+    if state["epoch"] != 1:
+        raise StepFailed(f"the checkpoint says epoch {state['epoch']}, not 1")
+    return {"precision": "float16 AMP + GradScaler" if kit.gpu else "float32 (AMP is CUDA-only)",
+            "iterations": state["iteration"], "validation_dice": float(found.group(1)) if found else None,
+            "checkpoint": state, "run_dir": str(run_dir)}  # fmt: skip
+
+
+def step_grad_scaler(kit: Kit) -> dict[str, Any]:
+    """The fp16 run's checkpoint holds GradScaler's state: the loss was scaled."""
+    state = kit.numbers("train")["checkpoint"]
+    if not state["has_scaler"] or not state["scaler_scale"]:
+        raise StepFailed(f"no GradScaler state in the fp16 run's checkpoint: {state}")
+    return {"scale": state["scaler_scale"]}
+
+
+def step_fused_adamw(kit: Kit) -> dict[str, Any]:
+    """The training run's AdamW was the fused one (train.yaml's fused_optimizer on CUDA)."""
+    state = kit.numbers("train")["checkpoint"]
+    if state["fused"] is not True:
+        raise StepFailed(f"AdamW's param group says fused={state['fused']!r}, not True")
+    return {"fused": True}
+
+
+def step_gpu_monitor(kit: Kit) -> dict[str, Any]:
+    """The training run's GPU monitor sampled NVML into gpu_utilisation.csv and drew gpu_utilisation.png."""
+    run_dir = Path(kit.numbers("train")["run_dir"])
+    if "GPU utilisation (nvml)" not in kit.log("train").read_text(errors="replace"):
+        raise StepFailed("the training log has no 'GPU utilisation (nvml)' line: the monitor did not use NVML")
+    with open(run_dir / "gpu_utilisation.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    png = run_dir / "gpu_utilisation.png"
+    if not rows or not png.is_file() or png.read_bytes()[:4] != b"\x89PNG":
+        raise StepFailed(f"{len(rows)} samples in {run_dir / 'gpu_utilisation.csv'}, PNG there: {png.is_file()}")
+    util = [float(r["util_percent"]) for r in rows if r["util_percent"] not in ("", "nan")]
+    return {"samples": len(rows), "gpu": rows[0]["name"], "mean_util_percent": round(sum(util) / max(len(util), 1), 1),
+            "peak_mem_used_mib": max(float(r["mem_used_mib"]) for r in rows)}  # fmt: skip
+
+
+def step_resume(kit: Kit) -> dict[str, Any]:
+    """Resume the training run from its checkpoint for a second epoch: it must start at epoch 1 and end at 2."""
+    run_dir = Path(kit.numbers("train")["run_dir"])
+    settings = kit.training("train", output_dir=run_dir, max_epochs=2, resume=True, val_interval=1000,
+                            **{"train#trainer#epoch_length": kit.sizes.iterations})  # fmt: skip
+    _, child = kit.bundle("resume", ["train.yaml"], **settings)
+    found = re.search(r"resumed from .*: epoch (\d+), iteration (\d+)", child.log_text())
+    state = kit.helper("checkpoint", "resume_checkpoint", path=str(run_dir / "checkpoints" / "latest.pt"))
+    if not found or int(found.group(1)) != 1 or state["epoch"] != 2:
+        raise StepFailed(f"resumed from epoch {found.group(1) if found else '(no resume line)'}, checkpoint at epoch "
+                         f"{state['epoch']}: expected 1 and 2", child.tail())  # fmt: skip
+    return {"resumed_from_epoch": 1, "epoch_after": state["epoch"], "iteration_after": state["iteration"]}
+
+
+def step_profile(kit: Kit) -> dict[str, Any]:
+    """profile.yaml: a chrome trace (with CUDA kernels on a GPU), its key averages and, on a GPU, memory.pickle."""
+    wait, warmup, active, _ = kit.sizes.profile_schedule
+    settings = kit.training(
+        "profile",
+        max_epochs=1,
+        val_interval=1000,
+        profiler_schedule=list(kit.sizes.profile_schedule),
+        **{"train#trainer#epoch_length": wait + warmup + active},
+    )
+    run_dir, _ = kit.bundle("profile", ["train.yaml", "profile.yaml"], **settings)
+    folder = run_dir / "profiler"
+    traces = sorted(folder.glob("*-chrome_trace.json.gz"), key=lambda p: int(p.name.split("-")[0]))
+    if not traces:
+        raise StepFailed(f"no chrome trace in {folder}")
+    averages = traces[0].with_name(traces[0].name.replace("chrome_trace.json.gz", "key_averages.json"))
+    memory = folder / "memory.pickle"
+    if kit.gpu and (not memory.is_file() or memory.stat().st_size == 0):
+        raise StepFailed(f"no memory.pickle in {folder}")
+    return {
+        "trace": str(traces[0]),
+        "trace_mb": round(traces[0].stat().st_size / 1e6, 2),
+        "key_averages": str(averages),
+        "memory_pickle_mb": round(memory.stat().st_size / 1e6, 2) if memory.is_file() else None,
+    }
+
+
+def step_summariser(kit: Kit) -> dict[str, Any]:
+    """scripts.summarize_trace on the profile run's trace, checked against torch.profiler's key_averages() of the same
+    run (an independent account of the same events), and its reading speed."""
+    profile = kit.numbers("profile")
+    trace = Path(profile["trace"])
+    start = time.perf_counter()
+    summary = summarize(trace)
+    seconds = time.perf_counter() - start
+    checks = compare_with_key_averages(summary, json.loads(Path(profile["key_averages"]).read_text()))
+    inflated = _inflated_bytes(trace)
+    numbers = {"sections": {name: {"count": s["count"], "total_s": round(s["mean_s"] * s["count"], 6),
+                                   "source": summary["sources"].get(name)} for name, s in summary["sections"].items()},
+               "kernels": summary["kernels"], "launches": summary["launches"], "events": summary["events"],
+               "trace_mb_uncompressed": round(inflated / 1e6, 2), "seconds": round(seconds, 3),
+               "mb_per_s": round(inflated / 1e6 / seconds, 1), "checks": checks}  # fmt: skip
+    if kit.gpu and not summary["kernels"]:
+        raise StepFailed(f"no CUDA kernel in {trace}: the profiler recorded the CPU only", numbers=numbers)
+    wrong = [c for c in checks if not c["ok"]]
+    if wrong:
+        message = "the summariser and key_averages disagree: " + "; ".join(_check_text(c) for c in wrong)
+        raise StepFailed(message, numbers=numbers)
+    return numbers
+
+
+def compare_with_key_averages(summary: dict[str, Any], rows: list[dict[str, Any]], rel: float = 0.01) -> list[dict]:
+    """Checks of a trace summary against torch.profiler's key averages (:func:`scripts.profiler.key_average_rows`).
+
+    Per section: the same number of instances; a CPU-timed section's total equal to its range's CPU total (``rel``,
+    plus 5 us per instance for rounding); a kernel-timed one's total (first kernel start to last kernel end of each
+    instance) at least the kernel time key_averages gives the range (the kernels its own thread launched in it: on
+    one stream, kernels inside a span cannot take longer than the span). And the same number of kernels (copies and
+    memsets are not kernels to either)."""
+    by_name = {r["name"]: r for r in rows}
+    checks: list[dict[str, Any]] = []
+    for name, stats in summary["sections"].items():
+        row = by_name.get(SECTION_PREFIX + name, {"count": 0, "cpu_time_total_us": 0.0, "device_time_total_us": 0.0})
+        count, total = stats["count"], stats["mean_s"] * stats["count"]
+        checks.append({"what": f"{name}: instances", "summariser": count, "key_averages": row["count"],
+                       "ok": count == row["count"]})  # fmt: skip
+        slack = rel + 5e-6 * count / max(total, 1e-9)
+        if summary["sources"].get(name, "cpu") == "cpu":
+            reference = row["cpu_time_total_us"] / 1e6
+            ok = abs(total - reference) <= slack * max(reference, total)
+            checks.append({"what": f"{name}: CPU seconds", "summariser": round(total, 6),
+                           "key_averages": round(reference, 6), "ok": ok})  # fmt: skip
+        else:
+            reference = row["device_time_total_us"] / 1e6
+            checks.append({"what": f"{name}: kernel span s >= kernel s in the range", "summariser": round(total, 6),
+                           "key_averages": round(reference, 6), "busy_fraction": round(reference / max(total, 1e-9), 3),
+                           "ok": reference <= total * (1 + slack)})  # fmt: skip
+    kernels = sum(r["count"] for r in rows if r["device_type"] in ("CUDA", "HIP") and not _is_copy(r["name"]))
+    checks.append({"what": "kernels", "summariser": summary["kernels"], "key_averages": kernels,
+                   "ok": abs(summary["kernels"] - kernels) <= rel * kernels})  # fmt: skip
+    return checks
+
+
+def _is_copy(name: str) -> bool:
+    """Whether a device row of key_averages is a copy or a memset (``Memcpy HtoD (...)``, ``Memset (Device)``)."""
+    return name.startswith(("Memcpy", "Memset", "memcpy", "memset"))
+
+
+def _check_text(check: dict[str, Any]) -> str:
+    """One failed check in words."""
+    return f"{check['what']}: summariser {check['summariser']}, key_averages {check['key_averages']}"
+
+
+def _inflated_bytes(path: Path) -> int:
+    """The uncompressed size of a .json.gz trace (what the summariser reads), by streaming it."""
+    total = 0
+    with gzip.open(path, "rb") as stream:
+        while chunk := stream.read(1 << 20):
+            total += len(chunk)
+    return total
+
+
+def step_evaluate_oom(kit: Kit) -> dict[str, Any]:
+    """evaluate.yaml on the validation case with the sliding window's out-of-memory fallback forced once."""
+    settings = kit.training("evaluate_oom", model_path=kit.weights, eval_split="validation", eval_pictures=0,
+                            inference_backend="torch", **{"sliding_window_inferer#force_oom": 1})  # fmt: skip
+    run_dir, child = kit.bundle("evaluate_oom", ["train.yaml", "evaluate.yaml"], **settings)
+    retries = _fallbacks(child)
+    summary = json.loads((run_dir / "eval" / "metrics_summary.json").read_text())
+    return {"fallbacks": retries, "cases": summary.get("num_cases"), "failed": len(summary.get("failed", []))}
+
+
+def step_inference_oom(kit: Kit) -> dict[str, Any]:
+    """inference.yaml on one DICOM CT with the out-of-memory fallback forced once: NIfTI and DICOM SEG out."""
+    case = sorted((kit.data / "train" / COLLECTION).iterdir())[0]
+    settings = _inference(kit, case, **{"sliding_window_inferer#force_oom": 1})
+    run_dir, child = kit.bundle("inference_oom", ["inference.yaml"], **settings)
+    retries = _fallbacks(child)
+    outputs = {kind: sorted(str(p) for p in run_dir.glob(f"*/*_{kind}")) for kind in ("seg.nii.gz", "seg.dcm")}
+    if not all(outputs.values()):
+        raise StepFailed(f"inference wrote {outputs} under {run_dir}", child.tail())
+    return {"fallbacks": retries, "nifti": outputs["seg.nii.gz"][0], "seg": outputs["seg.dcm"][0]}
+
+
+def _inference(kit: Kit, input_dir: Path, **settings: Any) -> dict[str, Any]:
+    """Settings of an inference.yaml run on ``input_dir`` with the kit's random weights and the PyTorch backend,
+    writing the NIfTI and the DICOM SEG (RTSTRUCT, SR and the report are CPU work, tested on the CPU)."""
+    return {"input_dir": input_dir, "model_path": kit.weights, "inference_backend": "torch", "write_rtstruct": False,
+            "write_sr": False, "write_report": False, **kit.sizes.settings, **settings}  # fmt: skip
+
+
+def _fallbacks(child: Child) -> int:
+    """How many times the run's sliding window fell back after an out-of-memory error; StepFailed if never."""
+    count = child.log_text().count(FALLBACK_LOG)
+    if not count:
+        raise StepFailed(f"no '{FALLBACK_LOG}' warning in {child.log}: the fallback did not run", child.tail())
+    return count
+
+
+def step_torchrun(kit: Kit) -> dict[str, Any]:
+    """multi_gpu_train.yaml under torchrun --nproc_per_node=1: NCCL on a GPU (gloo in the dry run), a short epoch
+    with validation sharded over the ranks and the checkpoint written by rank 0."""
+    backend = "nccl" if kit.gpu else "gloo"
+    settings = kit.training("torchrun", max_epochs=1, val_interval=1, dist_backend=backend, dist_timeout_minutes=5,
+                            **{"train#trainer#epoch_length": kit.sizes.iterations})  # fmt: skip
+    run_dir, child = kit.bundle("torchrun", ["train.yaml", "multi_gpu_train.yaml"], torchrun=True, **settings)
+    found = re.search(r"process group: rank 0 of (\d+), backend (\w+)", child.log_text())
+    if not found or found.group(2) != backend or not (run_dir / "checkpoints" / "latest.pt").is_file():
+        raise StepFailed(f"expected a {backend} process group and a checkpoint; found "
+                         f"{found.group(0) if found else 'no process-group line'}", child.tail())  # fmt: skip
+    return {"backend": found.group(2), "world_size": int(found.group(1))}
+
+
+def throughput_step(name: str) -> Callable[[Kit], dict[str, Any]]:
+    """The step ``name`` of :data:`THROUGHPUT_STEPS`: benchmark.yaml with that set of bench_switches' switches."""
+    switch_set = THROUGHPUT_STEPS[name]
+
+    def step(kit: Kit) -> dict[str, Any]:
+        switches = SWITCH_SETS[switch_set][0]
+        warmup, steps = kit.sizes.bench
+        compiling = as_bool(switches.get("compile", False))
+        settings = kit.training(name, benchmark_warmup=warmup, benchmark_steps=steps, **switches)
+        run_dir, _ = kit.bundle(name, ["train.yaml", "benchmark.yaml"], factor=3.0 if compiling else 1.0, **settings)
+        result = json.loads((run_dir / "benchmark.json").read_text())["result"]
+        numbers = {
+            "loop": switch_set,
+            "switches": switches,
+            "ms_per_step": round(result["ms_per_step_median"], 1),
+            "ms_per_step_p90": round(result["ms_per_step_p90"], 1),
+            "patches_per_s": round(result["patches_per_s"], 3),
+            "data_wait_percent": round(100 * result["data_wait_fraction"], 1),
+            "peak_memory_gib": result["peak_memory_gib"],
+            "peak_memory_kind": result["peak_memory_kind"],
+        }
+        numbers.update(mfu(kit, result["ms_per_step_median"]))
+        return numbers
+
+    step.__doc__ = f"benchmark.yaml with bench_switches' '{switch_set}'."
+    return step
+
+
+def mfu(kit: Kit, ms_per_step: float) -> dict[str, Any]:
+    """Model-FLOP utilisation of a step of ``ms_per_step``: the network step's FLOP count over the device's dense bf16
+    peak; None with the reason where either is unknown."""
+    network = kit.records.get("network", {})
+    peak = kit.environment().get("peak_bf16_tflops")
+    if network.get("status") != "ok":
+        return {"mfu": None, "mfu_reason": "no FLOP count (the network step did not succeed)"}
+    if not peak:
+        return {"mfu": None, "mfu_reason": kit.environment().get("peak_source", "no environment")}
+    achieved = network["numbers"]["train_step_tflop"] / (ms_per_step / 1000)
+    return {"model_tflop_per_s": round(achieved, 1), "mfu": round(achieved / peak, 4)}
+
+
+def step_fullct(compiled: bool) -> Callable[[Kit], dict[str, Any]]:
+    """The step that infers the two copies of one full CT (DICOM in, NIfTI + SEG out) with AMP, compiled or not."""
+
+    def step(kit: Kit) -> dict[str, Any]:
+        name = "fullct_inference_compile" if compiled else "fullct_inference"
+        extra = {"network": "$torch.compile(@trained_network)"} if compiled else {}
+        settings = _inference(kit, kit.data / "fullct", **extra)
+        run_dir, _ = kit.bundle(name, ["inference.yaml"], factor=3.0 if compiled else 1.0, **settings)
+        report = json.loads((run_dir / "inference_report.json").read_text())
+        cases = [c for c in report["cases"] if c.get("status") == "done"]
+        if len(cases) != 2:
+            raise StepFailed(f"{len(cases)} of 2 cases done; see {run_dir / 'inference_report.json'}")
+        rows = [{"case": c["case_id"], **c.get("stage_seconds", {}), "windows": c.get("region", {}).get("windows"),
+                 "seconds": c.get("seconds"), "warm": i > 0} for i, c in enumerate(cases)]  # fmt: skip
+        return {"compiled": compiled, "cases": rows, "warm_network_s": rows[-1].get("predict")}
+
+    step.__doc__ = f"full-CT inference, AMP, {'with' if compiled else 'without'} torch.compile (the 2nd case warm)."
+    return step
+
+
+#: the kit's throughput steps and the bench_switches set each runs
+THROUGHPUT_STEPS = {
+    "throughput_seed": "original-style loop (no cache, DataLoader, fp16)",
+    "throughput_defaults": "bundle defaults (cache memory)",
+    "throughput_bf16": "amp bfloat16",
+    "throughput_cache_gpu": "cache gpu + ThreadDataLoader",
+    "throughput_best": "best: cache gpu + bf16 + compile",
+}
+
+
+def _throughput(name: str, title: str) -> Step:
+    """A throughput step; CUDA-only where bench_switches says its switches need a GPU."""
+    return Step(name, title, throughput_step(name), needs=("data",), gpu_only=SWITCH_SETS[THROUGHPUT_STEPS[name]][1])
+
+
+STEPS: tuple[Step, ...] = (
+    Step("environment", "device, driver, torch/CUDA versions, host CPUs", step_environment, heavy=False),
+    Step("data", "synthetic CTs as DICOM, prepared", step_data),
+    Step("network", "FLOPs of a training step; random weights", step_network),
+    Step("train", "1 epoch: AMP fp16 + GradScaler, fused AdamW, NVML monitor", step_train, needs=("data",)),
+    Step("grad_scaler", "GradScaler state in the fp16 checkpoint", step_grad_scaler, ("train",), True, False),
+    Step("fused_adamw", "the fused AdamW ran", step_fused_adamw, ("train",), True, False),
+    Step("gpu_monitor", "NVML monitor CSV + PNG", step_gpu_monitor, ("train",), True, False),
+    Step("resume", "resume from the checkpoint: epoch 1 -> 2", step_resume, needs=("train",)),
+    Step("profile", "profile.yaml: chrome trace (CUDA kernels), memory.pickle", step_profile, needs=("data",)),
+    Step("summariser", "summarize_trace vs key_averages(), MB/s", step_summariser, needs=("profile",), heavy=False),
+    Step("evaluate_oom", "evaluate.yaml, OOM fallback forced once", step_evaluate_oom, needs=("data", "network")),
+    Step("inference_oom", "inference.yaml, OOM fallback forced once", step_inference_oom, needs=("data", "network")),
+    Step("torchrun", "torchrun --nproc_per_node=1, NCCL", step_torchrun, needs=("data",)),
+    _throughput("throughput_seed", "throughput: seed-style loop"),
+    _throughput("throughput_defaults", "throughput: bundle defaults"),
+    _throughput("throughput_bf16", "throughput: AMP bf16"),
+    _throughput("throughput_cache_gpu", "throughput: cache gpu"),
+    Step("fullct_inference", "full-CT inference, AMP", step_fullct(False), needs=("data", "network")),
+    _throughput("throughput_best", "throughput: best switches (compile)"),
+    Step(
+        "fullct_inference_compile",
+        "full-CT inference, AMP, torch.compile",
+        step_fullct(True),
+        needs=("data", "network"),
+        gpu_only=True,
+    ),  # inductor compiles for minutes on a CPU
+)
+
+
+def select(steps: Sequence[Step], only: str | Sequence[str] | None) -> list[Step]:
+    """``steps`` named in ``only`` (comma-separated) and every step they need, in the kit's order; all if None."""
+    if not only:
+        return list(steps)
+    wanted = {n.strip() for n in (only.split(",") if isinstance(only, str) else only) if n.strip()}
+    unknown = wanted - {s.name for s in steps}
+    if unknown:
+        raise SystemExit(f"--only: unknown step(s) {sorted(unknown)}; the steps are {[s.name for s in steps]}")
+    by_name = {s.name: s for s in steps}
+    pending = list(wanted)
+    while pending:
+        for need in by_name[pending.pop()].needs:
+            if need not in wanted:
+                wanted.add(need)
+                pending.append(need)
+    return [s for s in steps if s.name in wanted or s.name == "environment"]
+
+
+# ------------------------------------------------------------------------------------------------- peaks and tables
+def peak_bf16_tflops(device_name: str, gpu: bool) -> tuple[float | None, str]:
+    """The device's dense bf16 peak from :data:`PEAK_BF16_TFLOPS` and where it came from; None with the reason for a
+    CPU or a device not listed."""
+    if not gpu:
+        return None, "no GPU: MFU is a GPU measure"
+    name = device_name.upper()
+    for words, peak in PEAK_BF16_TFLOPS:
+        if all(w.upper() in name for w in words):
+            return peak, f"dense bf16 peak of {' '.join(words)}"
+    return None, f"no dense bf16 peak known for {device_name!r}: add it to PEAK_BF16_TFLOPS in benchmarks/gpu_proof.py"
+
+
+def throughput_rows(records: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per throughput step that ran, with its speed relative to the seed-style loop."""
+    seed = records.get("throughput_seed", {}).get("numbers", {}).get("patches_per_s")
+    rows = []
+    for name in THROUGHPUT_STEPS:
+        record = records.get(name)
+        if record and record["status"] == "ok":
+            n = record["numbers"]
+            rows.append({"step": name, **n, "vs_seed": round(n["patches_per_s"] / seed, 2) if seed else None})
+    return rows
+
+
+def fullct_rows(records: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per case of each full-CT inference step that ran."""
+    rows = []
+    for name in ("fullct_inference", "fullct_inference_compile"):
+        record = records.get(name)
+        if record and record["status"] == "ok":
+            rows += [{"step": name, **case} for case in record["numbers"]["cases"]]
+    return rows
+
+
+def targets(kit: Kit) -> dict[str, str]:
+    """The issue's targets, each met / not met / unmeasured, with the numbers behind the verdict."""
+    if kit.mode != "full" or not kit.gpu:
+        why = "no GPU" if kit.mode == "full" else f"{kit.mode} sizes, not the shipped ones"
+        return dict.fromkeys(("speedup", "mfu", "network_s"), f"unmeasured: {why}")
+    rows = {r["step"]: r for r in throughput_rows(kit.records)}
+    best = rows.get("throughput_best") or max(rows.values(), key=lambda r: r["patches_per_s"], default=None)
+    verdict: dict[str, str] = {}
+    if best and best.get("vs_seed"):
+        met = "met" if best["vs_seed"] >= TARGET_SPEEDUP else "not met"
+        verdict["speedup"] = (
+            f"{met}: {best['step']} {best['vs_seed']:.2f}x the seed-style loop (target {TARGET_SPEEDUP}x)"
+        )
+    else:
+        verdict["speedup"] = "unmeasured: no seed-style row or no faster row"
+    if best and best.get("mfu") is not None:
+        met = "met" if best["mfu"] >= TARGET_MFU else "not met"
+        verdict["mfu"] = f"{met}: {best['step']} {100 * best['mfu']:.1f} % (target {100 * TARGET_MFU:.0f} %)"
+    else:
+        verdict["mfu"] = "unmeasured: " + (best or {}).get("mfu_reason", "no throughput row")
+    warm = [r for r in fullct_rows(kit.records) if r.get("warm") and r.get("predict") is not None]
+    fastest = min(warm, key=lambda r: r["predict"], default=None)
+    if fastest:
+        met = "met" if fastest["predict"] <= TARGET_NETWORK_S else "not met"
+        verdict["network_s"] = (f"{met}: {fastest['predict']:.2f} s network ({fastest['step']}, the warm case; "
+                                f"target <= {TARGET_NETWORK_S} s)")  # fmt: skip
+    else:
+        verdict["network_s"] = "unmeasured: no full-CT inference ran"
+    return verdict
+
+
+def format_markdown(report: dict[str, Any]) -> str:
+    """``gpu_proof.md``: the environment, every step, the throughput and inference tables and the targets."""
+    env = report["environment"]
+    kind = {"dry run": "DRY RUN on the CPU (tiny network and data): no number here is a GPU number",
+            "tiny": "tiny network and data on the device: the paths only, no number worth reporting",
+            "full": "measured on the device named below, one run"}[report["mode"]]  # fmt: skip
+    if report["mode"] == "full" and not report["gpu"]:
+        kind = "the shipped sizes on a machine without a GPU: no number here is a GPU number"
+    lines = [f"# GPU proof kit ({kind})", "",
+             f"`{report['kit']}`, started {report['started']}, {report['elapsed_s']:.0f} s of a "
+             f"{report['budget_s']:.0f} s budget; steps " + ", ".join(f"{k} {v}" for k, v in report["counts"].items())
+             + ".", "",
+             f"Device: {env.get('device_name')} ({env.get('total_memory_gib')} GiB), driver {env.get('driver')}, "
+             f"torch {env.get('torch')}, CUDA {env.get('cuda')}, cuDNN {env.get('dnn_version')}, MONAI "
+             f"{env.get('monai')}, Python {env.get('python')}; host CPUs: {env.get('usable_cpus')} usable of "
+             f"{env.get('cpu_count')}; dense bf16 peak: {env.get('peak_bf16_tflops')} TFLOP/s "
+             f"({env.get('peak_source')}).", "",
+             "| step | what it proves | status | s | numbers / reason |", "|---|---|---|---|---|"]  # fmt: skip
+    for r in report["steps"]:
+        detail = r.get("reason") or (r.get("error", "").splitlines() or [""])[0] or _brief(r.get("numbers", {}))
+        lines.append(f"| {r['name']} | {r['title']} | {r['status']} | {r['seconds']:.1f} | {detail} |")
+    if report["throughput"]:
+        lines += [
+            "",
+            "Training throughput (benchmark.yaml; ms/step median; MFU over the dense bf16 peak):",
+            "",
+            "| loop | ms/step | patches/s | data wait | peak GiB | MFU | vs seed-style |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for r in report["throughput"]:
+            share = f"{100 * r['mfu']:.1f} %" if r.get("mfu") is not None else "n/a"
+            ratio = f"{r['vs_seed']:.2f}x" if r.get("vs_seed") else ""
+            lines.append(
+                f"| {r['loop']} | {r['ms_per_step']:.0f} | {r['patches_per_s']:.2f} | "
+                f"{r['data_wait_percent']:.1f} % | {r['peak_memory_gib']:.2f} | {share} | {ratio} |"
+            )
+    if report["fullct_inference"]:
+        lines += [
+            "",
+            "Full-CT inference (inference_report.json's stage seconds; load = read + preprocess, network = predict):",
+            "",
+            "| run | case | load s | region s | network s | postprocess s | write s | windows |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for r in report["fullct_inference"]:
+            load = r.get("read", 0.0) + r.get("preprocess", 0.0)
+            lines.append(
+                f"| {r['step']} | {r['case']} | {load:.2f} | {r.get('region', 0):.2f} | "
+                f"{r.get('predict', 0):.2f} | {r.get('postprocess', 0):.2f} | {r.get('write', 0):.2f} | "
+                f"{r.get('windows')} |"
+            )
+    lines += ["", "Targets:"] + [f"- {name}: {text}" for name, text in report["targets"].items()]
+    return "\n".join(lines) + "\n"  # fmt: skip
+
+
+def _brief(numbers: dict[str, Any], width: int = 160) -> str:
+    """A step's scalar numbers in one short line for the table."""
+    parts = [f"{k} {v}" for k, v in numbers.items() if isinstance(v, (int, float, str)) and len(str(v)) < 40]
+    text = ", ".join(parts)
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def _indent(text: str) -> str:
+    """``text`` indented under the step's line of the running output."""
+    return "\n".join("    " + line for line in text.splitlines())
+
+
+def _flags(settings: dict[str, Any]) -> list[str]:
+    """``--key value`` pairs as fire and ``monai.bundle run`` read them (lists as Python literals)."""
+    args = []
+    for key, value in settings.items():
+        args += [f"--{key}", str(value)]
+    return args
+
+
+def _cuda_visible() -> bool:
+    """Whether this machine has an NVIDIA GPU, without initialising CUDA here (a dry run forks)."""
+    return Path("/dev/nvidiactl").exists()
+
+
+# ------------------------------------------------------------------------------------------------- the children's side
+def helper_environment(out: str, dry_run: bool = False) -> None:
+    """(Child) the device report of scripts.accelerator, the driver's version and the host's CPUs, to ``out``."""
+    import torch
+    from scripts.accelerator import device_report
+
+    device = torch.device("cuda" if torch.cuda.is_available() and not as_bool(dry_run) else "cpu")
+    info = device_report(device)
+    info.pop("settings", None)
+    info.update(driver=_driver_version(), usable_cpus=usable_cpus(), cpu_count=os.cpu_count(),
+                cuda_available=torch.cuda.is_available())  # fmt: skip
+    write_json(out, info, default=str)
+
+
+def _driver_version() -> str | None:
+    """The NVIDIA driver's version (NVML, else nvidia-smi), None without one."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            version = pynvml.nvmlSystemGetDriverVersion()
+            return version.decode() if isinstance(version, bytes) else str(version)
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # no NVML or no driver: try the tool
+        pass
+    try:
+        query = ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]
+        return subprocess.run(query, capture_output=True, text=True, timeout=10, check=True).stdout.split()[0]
+    except (OSError, subprocess.SubprocessError, IndexError):
+        return None
+
+
+def helper_network(out: str, settings: str | dict) -> None:
+    """(Child) train.yaml's network with ``settings`` (JSON): its random weights to ``model_path`` (with the sidecar
+    naming the labels) and the FLOPs of one training step on the device (FlopCounterMode: matmuls and convolutions of
+    the forward and the backward over ``batch_size * num_samples`` patches), to ``out``."""
+    import torch
+    from monai.bundle import ConfigParser
+    from scripts.weights import atomic_save, sidecar_of
+    from torch.utils.flop_counter import FlopCounterMode
+
+    parser = ConfigParser()
+    parser.read_config(str(ROOT / "configs" / "train.yaml"))
+    parser.update(json.loads(settings) if isinstance(settings, str) else settings)  # fire decodes JSON itself
+    network = parser.get_parsed_content("network_def")
+    weights = Path(parser["model_path"])
+    atomic_save(network.state_dict(), weights)
+    write_json(sidecar_of(weights), {"labels": list(parser["labels"])})
+    device = parser.get_parsed_content("device")
+    roi = [int(r) for r in parser["roi_size"]]
+    patches = int(parser["batch_size"]) * int(parser["num_samples"])
+    network = network.to(device).train()
+    batch = torch.rand(patches, 1, *roi, device=device)
+    precision = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
+    with FlopCounterMode(display=False) as counter:
+        with precision:
+            output = network(batch)
+        forward = counter.get_total_flops()
+        output.float().mean().backward()
+    described = {"network": type(network).__name__}
+    if "feature_size" in parser["network_def"]:  # SwinUNETR's width (the dry run's BasicUNet has none)
+        described["feature_size"] = int(parser.get_parsed_content("feature_size"))
+    write_json(
+        out,
+        {
+            **described,
+            "roi_size": roi,
+            "patches_per_step": patches,
+            "parameters": sum(p.numel() for p in network.parameters()),
+            "device": str(device),
+            "forward_tflop": round(forward / 1e12, 4),
+            "train_step_tflop": round(counter.get_total_flops() / 1e12, 4),
+            "weights": str(weights),
+        },
+    )
+
+
+def helper_checkpoint(out: str, path: str) -> None:
+    """(Child) what a training checkpoint says: epoch, iteration, GradScaler's scale, whether AdamW was fused."""
+    import torch
+
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    groups = state.get("optimizer", {}).get("param_groups", [{}])
+    scaler = state.get("scaler") or {}
+    write_json(out, {"epoch": int(state["trainer"]["epoch"]), "iteration": int(state["trainer"]["iteration"]),
+                     "has_scaler": "scaler" in state, "scaler_scale": scaler.get("scale"),
+                     "fused": groups[0].get("fused")}, default=float)  # fmt: skip
+
+
+HELPERS = {"environment": helper_environment, "network": helper_network, "checkpoint": helper_checkpoint}
+
+
+# -------------------------------------------------------------------------------------------------------------- CLI
+def main(
+    output_dir: str, dry_run: bool | str = False, budget_s: float = 360.0, only: str | None = None, tiny: bool = False
+) -> None:
+    """Run the kit (see the module docstring); ``DIR/gpu_proof.json`` and ``.md`` hold the results. ``tiny``: the dry
+    run's network and data on the GPU (the GPU paths in seconds, no number worth reporting)."""
+    dry = as_bool(dry_run, "dry_run")
+    gpu = not dry and _cuda_visible()
+    kit = Kit(Path(output_dir).resolve(), dry, gpu, budget_s, tiny=as_bool(tiny, "tiny"))
+    kit.out.mkdir(parents=True, exist_ok=True)
+    steps = select(STEPS, only)
+    mode = "dry run on the CPU" if dry else ("GPU" if gpu else "no GPU found: the CUDA-only steps will be skipped")
+    print(f"gpu_proof: {len(steps)} steps, {mode}, budget {budget_s:.0f} s -> {kit.out}", flush=True)
+    kit.run(steps)
+    print(format_markdown(kit.report()), flush=True)
+
+
+if __name__ == "__main__":
+    import fire
+
+    if len(sys.argv) > 1 and sys.argv[1] == "helper":
+        fire.Fire(HELPERS, command=sys.argv[2:])
+    else:
+        fire.Fire(main)

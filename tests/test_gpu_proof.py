@@ -1,0 +1,159 @@
+"""The GPU proof kit (benchmarks/gpu_proof.py): its dry run on the CPU runs every step that needs no CUDA and skips
+the CUDA-only ones, and says so; its own reckoning (peaks, the trace check, which steps run) on its own; and where a
+GPU is, the CUDA paths with the dry run's tiny network (marked gpu)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from benchmarks.gpu_proof import STEPS, compare_with_key_averages, peak_bf16_tflops, select
+from conftest import ROOT
+
+KIT = [sys.executable, "-m", "benchmarks.gpu_proof"]
+CUDA_ONLY = {s.name for s in STEPS if s.gpu_only}
+#: the CUDA paths the gpu tests run with the tiny network (the compiling ones take minutes: the kit itself runs them)
+GPU_PATHS = ("grad_scaler", "fused_adamw", "gpu_monitor", "resume", "summariser", "evaluate_oom", "inference_oom",
+             "torchrun", "throughput_bf16", "throughput_cache_gpu")  # fmt: skip
+
+
+def run_kit(out: Path, *options: str) -> tuple[dict, str]:
+    """The kit as a user runs it, from the bundle's root; its report and what it printed."""
+    done = subprocess.run([*KIT, "--output_dir", str(out), *options], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return json.loads((out / "gpu_proof.json").read_text()), done.stdout
+
+
+def by_name(report: dict) -> dict[str, dict]:
+    return {step["name"]: step for step in report["steps"]}
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory) -> tuple[dict, str, Path]:
+    out = tmp_path_factory.mktemp("gpu_proof")
+    report, stdout = run_kit(out, "--dry_run", "true")
+    return report, stdout, out
+
+
+def test_dry_run_reports_every_step_and_none_fails(dry_run):
+    report, stdout, out = dry_run
+    steps = by_name(report)
+    assert list(steps) == [s.name for s in STEPS]
+    assert not {name: s["error"] for name, s in steps.items() if s["status"] == "failed"}
+    # a running total after every step, and the report's header: the machine and the versions
+    assert stdout.count("| total ") == len(STEPS)
+    env = report["environment"]
+    assert env["torch"] and env["monai"] and env["usable_cpus"] >= 1 and env["device_name"]
+    markdown = (out / "gpu_proof.md").read_text()
+    assert markdown.startswith("# GPU proof kit (DRY RUN on the CPU") and "no number here is a GPU number" in markdown
+    assert all(f"| {s.name} |" in markdown for s in STEPS)
+
+
+def test_cuda_only_steps_say_no_gpu_and_the_others_ran(dry_run):
+    steps = by_name(dry_run[0])
+    assert {"grad_scaler", "fused_adamw", "gpu_monitor", "throughput_cache_gpu", "throughput_best"} <= CUDA_ONLY
+    for name, step in steps.items():
+        expected = ("skipped", "no GPU") if name in CUDA_ONLY else ("ok", None)
+        assert (step["status"], step.get("reason")) == expected, name
+
+
+def test_summariser_agrees_with_key_averages_of_the_same_run(dry_run):
+    numbers = by_name(dry_run[0])["summariser"]["numbers"]
+    assert {"step", "forward", "backward", "optimizer"} <= set(numbers["sections"])
+    checks = {c["what"]: c for c in numbers["checks"]}
+    assert all(c["ok"] for c in checks.values()), checks
+    assert checks["forward: instances"]["summariser"] == checks["forward: instances"]["key_averages"] == 1
+    assert checks["kernels"]["summariser"] == checks["kernels"]["key_averages"] == 0  # a CPU trace has none
+    assert numbers["mb_per_s"] > 0 and numbers["trace_mb_uncompressed"] > 0
+
+
+def test_resume_continues_from_the_saved_epoch(dry_run):
+    steps = by_name(dry_run[0])
+    assert steps["train"]["numbers"]["checkpoint"]["epoch"] == 1
+    assert steps["resume"]["numbers"] == {"resumed_from_epoch": 1, "epoch_after": 2, "iteration_after": 2}
+
+
+def test_evaluation_and_inference_fall_back_once_and_inference_writes_nifti_and_seg(dry_run):
+    import pydicom
+
+    steps = by_name(dry_run[0])
+    assert steps["evaluate_oom"]["numbers"]["fallbacks"] == 1 and steps["evaluate_oom"]["numbers"]["failed"] == 0
+    inference = steps["inference_oom"]["numbers"]
+    assert inference["fallbacks"] == 1
+    assert inference["nifti"].endswith("_seg.nii.gz") and Path(inference["nifti"]).stat().st_size > 0
+    assert pydicom.dcmread(inference["seg"], stop_before_pixels=True).Modality == "SEG"
+
+
+def test_throughput_and_full_ct_rows_claim_no_gpu_number(dry_run):
+    report = dry_run[0]
+    rows = {r["step"]: r for r in report["throughput"]}
+    assert set(rows) == {"throughput_seed", "throughput_defaults"}
+    for row in rows.values():
+        assert row["ms_per_step"] > 0 and row["mfu"] is None and "no GPU" in row["mfu_reason"]
+    assert rows["throughput_seed"]["vs_seed"] == 1.0
+    cases = report["fullct_inference"]
+    assert [c["warm"] for c in cases] == [False, True] and all(c["windows"] >= 1 and "predict" in c for c in cases)
+    assert all(verdict.startswith("unmeasured") for verdict in report["targets"].values())
+
+
+def test_peaks_come_from_the_device_name_and_an_unknown_device_gets_no_mfu():
+    assert peak_bf16_tflops("NVIDIA H100 80GB HBM3", True)[0] == 989.4
+    assert peak_bf16_tflops("NVIDIA H100 PCIe", True)[0] == 756.0
+    assert peak_bf16_tflops("NVIDIA H200", True)[0] == 989.4
+    assert peak_bf16_tflops("NVIDIA A100-SXM4-80GB", True)[0] == 312.0
+    assert peak_bf16_tflops("AMD Instinct MI300X", True)[0] == 1307.4
+    peak, reason = peak_bf16_tflops("NVIDIA H100 NVL", True)
+    assert peak is None and "add it to PEAK_BF16_TFLOPS" in reason
+    assert peak_bf16_tflops("x86_64", False)[0] is None
+
+
+def test_trace_check_fails_where_the_summariser_and_key_averages_differ():
+    summary = {"sections": {"step": {"count": 2, "mean_s": 0.5}, "forward": {"count": 2, "mean_s": 0.1}},
+               "sources": {"step": "cpu", "forward": "kernels"}, "kernels": 10}  # fmt: skip
+    rows = [{"name": "__sec:step", "count": 2, "device_type": "CPU", "cpu_time_total_us": 1.0e6,
+             "device_time_total_us": 0.0},
+            {"name": "__sec:forward", "count": 2, "device_type": "CPU", "cpu_time_total_us": 0.05e6,
+             "device_time_total_us": 0.25e6},
+            {"name": "void kernel", "count": 9, "device_type": "CUDA", "cpu_time_total_us": 0.0,
+             "device_time_total_us": 0.15e6},
+            {"name": "Memcpy HtoD (Pageable -> Device)", "count": 4, "device_type": "CUDA", "cpu_time_total_us": 0.0,
+             "device_time_total_us": 0.01e6}]  # fmt: skip
+    checks = {c["what"]: c["ok"] for c in compare_with_key_averages(summary, rows)}
+    assert checks["step: instances"] and checks["step: CPU seconds"] and checks["forward: instances"]
+    assert not checks["forward: kernel span s >= kernel s in the range"], "0.25 s of kernels cannot fit in 0.2 s"
+    assert not checks["kernels"], "10 kernels against 9 (the copies are not kernels)"
+
+
+def test_only_runs_the_named_steps_and_the_steps_they_need():
+    assert [s.name for s in select(STEPS, "resume")] == ["environment", "data", "train", "resume"]
+    assert [s.name for s in select(STEPS, "summariser,torchrun")] == [
+        "environment", "data", "profile", "summariser", "torchrun"]  # fmt: skip
+    with pytest.raises(SystemExit, match="unknown step"):
+        select(STEPS, "trian")
+
+
+@pytest.fixture(scope="module")
+def tiny_on_gpu(tmp_path_factory) -> dict:
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA/ROCm device: the kit's GPU paths are proven where one is")
+    report, _ = run_kit(tmp_path_factory.mktemp("gpu_proof_tiny"), "--tiny", "true", "--only", ",".join(GPU_PATHS))
+    return by_name(report)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("step", ["train", "profile", *GPU_PATHS])
+def test_gpu_path_runs_on_the_device(tiny_on_gpu, step):
+    assert tiny_on_gpu[step]["status"] == "ok", tiny_on_gpu[step]
+
+
+@pytest.mark.gpu
+def test_gpu_trace_holds_kernels_and_the_fp16_run_scaled_its_loss(tiny_on_gpu):
+    assert tiny_on_gpu["summariser"]["numbers"]["kernels"] > 0
+    assert tiny_on_gpu["grad_scaler"]["numbers"]["scale"] > 0
+    assert tiny_on_gpu["torchrun"]["numbers"]["backend"] == "nccl"
