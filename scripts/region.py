@@ -57,6 +57,13 @@ class Region:
     def slices(self) -> tuple[slice, slice, slice]:
         return tuple(slice(a, b) for a, b in zip(self.start, self.stop, strict=True))
 
+    def mask(self, shape: Sequence[int]) -> np.ndarray:
+        """The box as a boolean mask of ``shape`` (the volume's, a leading channel axis allowed), for transforms that
+        crop to a mask's bounding box (``CropForegroundd(select_fn=...)``)."""
+        mask = np.zeros(tuple(shape), bool)
+        mask[(..., *self.slices())] = True
+        return mask
+
     def corners_world(self, affine: np.ndarray) -> np.ndarray:
         """The box's extent in world coordinates of ``affine`` (the outer faces of its first and last voxels): the
         (min, max) corners, (2, 3)."""

@@ -64,7 +64,18 @@ def test_network_format_matches_the_task(meta):
     pred = meta["network_data_format"]["outputs"]["pred"]
     assert (image["format"], image["num_channels"], image["spatial_shape"]) == ("hounsfield", 1, [96, 96, 96])
     assert image["value_range"] == [0, 1] and image["is_patch_data"] is True
-    assert pred["num_channels"] == 2 and pred["channel_def"] == {"0": "background", "1": "GTV"}
+    assert pred["num_channels"] == 2 and pred["channel_def"] == {"0": "background", "1": "GTV-1"}
+
+
+def test_output_channels_are_named_as_the_configs_name_the_labels(meta, root):
+    """channel_def names each structure as configs/train.yaml's ``labels`` do (MONAI Label shows these names, and
+    the SEG, RTSTRUCT and reports use the labels'): channel k is labels[k - 1], channel 0 the background."""
+    import yaml
+
+    labels = yaml.safe_load((root / "configs" / "train.yaml").read_text())["labels"]
+    pred = meta["network_data_format"]["outputs"]["pred"]
+    assert pred["channel_def"] == {"0": "background", **{str(k): name for k, name in enumerate(labels, 1)}}
+    assert pred["num_channels"] == len(labels) + 1
 
 
 def test_pins_match_requirements_and_the_installed_packages(meta, root):

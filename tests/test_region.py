@@ -19,6 +19,7 @@ from monai.bundle import ConfigParser
 from scripts.inferers import FallbackSlidingWindowInferer
 from scripts.inputs import load_case
 from scripts.phantom import PATHOLOGIES, chest
+from scripts.region import Region
 
 TUMOUR_HU = 300.0  # nothing else in the phantom lies within 100 HU of it
 HU_WINDOW = (-1000.0, 500.0)
@@ -113,3 +114,14 @@ def test_the_region_is_never_smaller_than_a_window_and_a_bad_name_is_refused():
     assert last["method"] == "body (no lung found)"
     with pytest.raises(ValueError, match=r"roi_region='lungs': choose one of \['thorax', 'body'\]"):
         FallbackSlidingWindowInferer(roi_size=ROI, region="lungs")
+
+
+def test_the_region_as_a_mask_crops_to_exactly_its_box():
+    """MONAI Label's pre_transforms crop to the region through a mask (CropForegroundd): the mask's bounding box is the
+    box, with or without a channel axis."""
+    box = Region((3, 0, 5), (9, 4, 6), "thorax")
+    for shape in [(12, 6, 8), (1, 12, 6, 8)]:
+        mask = box.mask(shape)
+        assert mask.shape == shape and mask.sum() == 6 * 4 * 1
+        where = np.argwhere(mask)[:, -3:]
+        assert tuple(where.min(0)) == box.start and tuple(where.max(0) + 1) == box.stop

@@ -1,0 +1,385 @@
+"""MONAI Label (its ``monaibundle`` app: the server of 3D Slicer's and OHIF's MONAI Label plugins) with this bundle
+copied in as it is released, under ``apps/monaibundle/model/<name>/``.
+
+First the bundle's side of MONAI Label's contract, without MONAI Label, as MONAI Label 0.8.5's ``BundleInferTask``
+and ``BundleTrainTask`` (``monailabel/tasks/{infer,train}/bundle.py``) use the configs:
+
+* inference: MONAI Label prefers ``pre_transforms`` / ``post_transforms`` (configs/inference.yaml, above its GENERATED
+  line) to ``preprocessing`` / ``postprocessing``, puts the path of a NIfTI file or DICOM folder under ``image`` and
+  ``image_path``, and runs its own ``network_def`` with models/model.pt through ``inferer`` (MONAI's sliding window);
+  on the chest phantom that gives the bundle's own inference, the windows in the same thorax box;
+* training: it runs ``configs/train.json`` with its own ``train#dataset#data`` and ``validate#dataset#data``, a
+  ``device`` string, ``train#trainer#max_epochs`` and a CheckpointLoader inserted into ``train#handlers`` (which it
+  reads as mappings); such a run prepares nothing and writes its best weights to ``model_path``.
+
+Then the real MONAI Label 0.8.5 (skipped where it is not installed: ``pip install --no-deps -r
+requirements-monailabel.txt``), in a process of its own, since it unloads and reloads the bundle's ``scripts`` package
+and sets up logging: the app object its server builds (``app_instance`` on ``apps/monaibundle`` as ``monailabel apps
+--download --name monaibundle`` writes it, with a studies folder of its own), inference on a NIfTI file and on a DICOM
+series, one training round on two labelled studies (one to train on, one to validate), and inference again with the
+weights that round wrote. The network is SwinUNETR at feature size 12 on 64 x 64 x 32 windows at 2 x 2 x 3 mm (as
+tests/test_model_zoo.py and the demo run it), set in the copy's configs; everything else is the configs as shipped.
+The program MONAI Label runs in is at the bottom of this file (``python tests/test_monailabel.py WORK_DIR``), with the
+two workarounds MONAI Label 0.8.5 needs beside this bundle's pinned packages.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+NAME = "nsclc_swinunetr"
+CANNOT_IMPORT = 77  # exit status of the MONAI Label program when monailabel cannot be imported
+# the copy's settings: a network small enough for a CPU test (feature size 12 needs windows of 64 voxels in plane, as
+# the demo's 64 x 64 x 32: at 32 x 32 x 32 the bottleneck is one voxel and InstanceNorm fails), on the demo's grid
+SMALL = {"feature_size": 12, "roi_size": [64, 64, 32], "spacing": [2.0, 2.0, 3.0], "sw_batch_size": 2}
+SMALL_TRAINING = {"num_samples": 1, "val_interval": 1, "num_workers": 0, "cache": "none", "warmup_epochs": 0,
+                  "gpu_monitor": False}  # fmt: skip
+# the phantom's voxels (mm), also the network grid of the region test: coarse, so the test takes seconds
+PHANTOM_GRID = [4.0, 4.0, 6.0]
+MONAILABEL_MISSING = importlib.util.find_spec("monailabel") is None
+INSTALL = "pip install --no-deps -r requirements-monailabel.txt (what CI installs; see that file)"
+
+
+class TumourBand(torch.nn.Module):
+    """Logits of background and tumour: the tumour where the windowed HU lie within 100 HU of ``hu`` (the phantom's
+    tumour; nothing else in it lies that close), so the label map shows which windows ran."""
+
+    def __init__(self, hu: float = 300.0, window: tuple[float, float] = (-1000.0, 500.0)) -> None:
+        super().__init__()
+        self.low, self.high = ((hu + d - window[0]) / (window[1] - window[0]) for d in (-100.0, 100.0))
+
+    def forward(self, x):
+        inside = ((x > self.low) & (x < self.high)).float()
+        return torch.cat([1.0 - inside, inside], dim=1)
+
+
+def inference_parser(**overrides):
+    """configs/inference.yaml alone, as MONAI Label and MONAI Deploy read it (``bundle_root`` set, as both set it)."""
+    from monai.bundle import ConfigParser
+
+    parser = ConfigParser()
+    parser.read_config(str(ROOT / "configs" / "inference.yaml"))
+    parser.read_meta(str(ROOT / "configs" / "metadata.json"))
+    parser.update({"bundle_root": str(ROOT), **overrides})
+    return parser
+
+
+def phantom_nifti(folder: Path) -> Path:
+    """The chest phantom (scripts/phantom.py: lungs, mediastinum, arms, upper abdomen) with a tumour at 300 HU, as a
+    NIfTI CT of 500 mm x 500 mm x 357 mm on the PHANTOM_GRID."""
+    import nibabel as nib
+    from scripts.phantom import chest
+
+    step, slice_step = PHANTOM_GRID[0], PHANTOM_GRID[2]
+    xs, zs = np.arange(-250.0, 250.0, step) + step / 2, np.arange(0.0, 357.0, slice_step) - 300.0
+    hu, _, _ = chest(xs, xs, zs, "none", tumour_hu=300.0)
+    lps = np.array([[step, 0, 0, xs[0]], [0, step, 0, xs[0]], [0, 0, slice_step, zs[0]], [0, 0, 0, 1]])
+    path = folder / "chest.nii.gz"
+    nib.save(nib.Nifti1Image(hu.astype(np.int16), np.diag([-1.0, -1.0, 1.0, 1.0]) @ lps), path)
+    return path
+
+
+def test_monai_label_transforms_and_inferer_give_our_inference_in_the_thorax(tmp_path):
+    """What MONAI Label runs -- pre_transforms on {image, image_path}, ``inferer`` on its own network, post_transforms
+    -- crops to the thorax box sliding_window_inferer finds, and gives the label map of the bundle's inference (our
+    preprocessing, sliding_window_inferer, inverse_postprocessing) voxel for voxel, uint8, on the CT's grid, with
+    ``image_path`` back for MONAI Label's writer."""
+    from monai.transforms import Compose
+    from scripts.inputs import load_case
+
+    ct = phantom_nifti(tmp_path)
+    parser = inference_parser(spacing=PHANTOM_GRID)
+    network = TumourBand()
+
+    theirs = {"image": str(ct), "image_path": str(ct), "device": "cpu"}  # MONAI Label's request, as it hands it over
+    for transform in parser.get_parsed_content("pre_transforms").transforms:  # one at a time, as MONAI Label runs them
+        theirs = transform(theirs)
+    theirs["pred"] = parser.get_parsed_content("inferer")(theirs["image"][None], network)[0]
+    for transform in parser.get_parsed_content("post_transforms").transforms:
+        theirs = transform(theirs)
+
+    ours = parser.get_parsed_content("preprocessing")({"image": load_case(ct, "nifti")})
+    inferer = parser.get_parsed_content("sliding_window_inferer")
+    ours["pred"] = inferer(ours["image"][None], network)[0]
+    ours = Compose(parser.get_parsed_content("inverse_postprocessing"))(ours)
+
+    region = inferer.last
+    assert region["method"] == "thorax" and region["windows"] < region["windows_whole_input"]
+    assert [int(v) for v in theirs["foreground_start_coord"]] == region["start_voxel"]
+    assert [int(v) for v in theirs["foreground_end_coord"]] == region["stop_voxel"]
+    pred = theirs["pred"]
+    assert pred.dtype == torch.uint8 and tuple(pred.shape[1:]) == tuple(load_case(ct, "nifti").shape[1:])
+    assert int(pred.sum()) > 0 and set(np.unique(pred.numpy())) <= {0, 1}
+    np.testing.assert_array_equal(pred.numpy(), ours["pred"].numpy().astype(np.uint8))
+    assert theirs["image_path"] == str(ct) and "path_of_image" not in theirs
+
+
+@pytest.mark.parametrize("config", ["train.yaml", "inference.yaml"])
+@pytest.mark.parametrize("device", ["cpu", "cuda:1", "$torch.device('cpu')", "$torch.device('cuda', 0)"])
+def test_the_switches_read_any_device_form(config, device):
+    """MONAI Label sets ``device`` to a string ("cpu", "cuda:0"); the configs' own default is a torch.device."""
+    from monai.bundle import ConfigParser
+
+    parser = ConfigParser()
+    parser.read_config(str(ROOT / "configs" / config))
+    parser.update({"bundle_root": str(ROOT), "device": device})
+    on_cuda = "cuda" in device
+    assert parser.get_parsed_content("flag#amp") is on_cuda
+    if config == "train.yaml":
+        assert parser.get_parsed_content("flag#fused_optimizer") is on_cuda
+
+
+def monai_label_training_overrides(data: list[dict], weights: Path, max_epochs: int = 1) -> dict:
+    """What MONAI Label 0.8.5's BundleTrainTask passes to ``monai.bundle.run`` with configs/train.json: its cases
+    (``image`` and ``label`` only), the device as a string, the epochs, and ``train#handlers`` as it reads it from the
+    config unparsed, a CheckpointLoader of the served weights inserted first (``_load_checkpoint``)."""
+    from monai.bundle import ConfigParser
+
+    parser = ConfigParser()
+    parser.read_config(str(ROOT / "configs" / "train.json"))
+    handlers = parser.get("train#handlers", [])
+    if not [t for t in handlers if t.get("_target_") == "CheckpointLoader"]:  # MONAI Label's own test, on mappings
+        handlers.insert(0, {"_target_": "CheckpointLoader", "load_path": str(weights),
+                            "load_dict": {"model": "$@network"}, "strict": False})  # fmt: skip
+    cases = [{"image": d["image"], "label": d["label"]} for d in data]
+    return {"train#trainer#max_epochs": max_epochs, "train#dataset#data": cases[:-1], "device": "cpu",
+            "train#handlers": handlers, "validate#dataset#data": cases[-1:]}  # fmt: skip
+
+
+def test_training_given_its_cases_prepares_nothing_and_writes_the_served_weights(tiny_data, tmp_path):
+    """A training run with MONAI Label's overrides (the network a small BasicUNet, the tests' network of mechanics):
+    nothing is prepared (dataset_dir does not even exist), the CheckpointLoader loads the served weights first, the
+    other handlers are the bundle's own, the learning-rate schedule spans the epochs MONAI Label asked for, and the best
+    weights go to model_path with the labels beside them."""
+    from conftest import MECHANICS_NETWORK
+    from monai.bundle import ConfigParser, ConfigWorkflow
+    from monai.handlers import CheckpointLoader, LrScheduleHandler
+
+    datalist = json.loads((tiny_data / "prepared" / "datalist.json").read_text())
+    data = [{k: str(tiny_data / "prepared" / v) for k, v in d.items() if k in ("image", "label")}
+            for d in datalist["training"] + datalist["validation"]]  # fmt: skip
+    network = ast.literal_eval(MECHANICS_NETWORK)
+    served = tmp_path / "bundle" / "models" / "model.pt"
+    served.parent.mkdir(parents=True)
+    torch.save(ConfigParser({"net": network, "num_classes": 2}).get_parsed_content("net").state_dict(), served)
+    workflow = ConfigWorkflow(
+        config_file=str(ROOT / "configs" / "train.json"), meta_file=str(ROOT / "configs" / "metadata.json"),
+        logging_file=False, workflow_type="train", bundle_root=str(ROOT), dataset_dir=str(tmp_path / "no-dicom"),
+        output_dir=str(tmp_path / "run"), model_path=str(served), network_def=network, **SMALL, **SMALL_TRAINING,
+        **monai_label_training_overrides(data[:3], served),
+    )  # fmt: skip
+    before = hashlib.sha256(served.read_bytes()).hexdigest()
+    workflow.initialize()
+    workflow.run()
+    workflow.finalize()
+    assert not (tmp_path / "no-dicom").exists(), "prepare neither read nor wrote anything"
+    handlers = workflow.parser.get_parsed_content("train#handlers")
+    assert isinstance(handlers[0], CheckpointLoader) and handlers[0].load_path == str(served)
+    assert handlers[1] is workflow.parser.get_parsed_content("train#lr_schedule_handler")
+    assert isinstance(handlers[1], LrScheduleHandler)
+    schedule = workflow.parser.get_parsed_content("lr_scheduler")
+    assert schedule.t_total == 1 * len(workflow.parser.get_parsed_content("train#dataloader"))
+    assert hashlib.sha256(served.read_bytes()).hexdigest() != before, "the best weights replace the served ones"
+    assert json.loads(served.with_suffix(".json").read_text())["labels"] == ["GTV-1"]
+    assert (tmp_path / "run" / "checkpoints" / "latest.pt").is_file()
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# the real MONAI Label 0.8.5
+needs_monailabel = pytest.mark.skipif(MONAILABEL_MISSING, reason=f"monailabel is not installed: {INSTALL}")
+
+
+@pytest.fixture(scope="module")
+def monai_label(tiny_data, tmp_path_factory):
+    """The MONAI Label program (bottom of this file) on two of tiny_data's cases, labelled, as the studies folder
+    (NIfTI, labels in labels/final/ as MONAI Label keeps them) and the first case's DICOM series; its results."""
+    work = tmp_path_factory.mktemp("monailabel")
+    studies = work / "studies"
+    (studies / "labels" / "final").mkdir(parents=True)
+    datalist = json.loads((tiny_data / "prepared" / "datalist.json").read_text())
+    cases = sorted(datalist["training"] + datalist["validation"], key=lambda d: d["image"])[:2]
+    for case in cases:
+        for key, folder in (("image", studies), ("label", studies / "labels" / "final")):
+            source = tiny_data / "prepared" / case[key]
+            shutil.copy(source, folder / f"{Path(case['image']).name.split('.')[0]}{''.join(source.suffixes)}")
+    first = Path(cases[0]["image"]).name.split(".")[0]
+    truth = json.loads((tiny_data / "data" / "synthetic_truth" / f"{first}.json").read_text())
+    (work / "request.json").write_text(json.dumps({"nifti": str(next(studies.glob(f"{first}.nii*"))),
+                                                   "dicom": truth["image_dir"]}))  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # nothing of the bundle on the path
+    started = time.perf_counter()
+    done = subprocess.run([sys.executable, __file__, str(work)], cwd=work, env=env, capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+    log = done.stdout + done.stderr
+    if done.returncode == CANNOT_IMPORT:
+        pytest.skip(f"monailabel cannot be imported here: {log.strip().splitlines()[-1]} ({INSTALL})")
+    assert done.returncode == 0, log[-6000:]
+    result = json.loads((work / "result.json").read_text())
+    result["log"], result["seconds"]["program"] = log, round(time.perf_counter() - started, 1)
+    print(f"MONAI Label program: {result['seconds']}")
+    return work, result
+
+
+@needs_monailabel
+def test_monai_label_serves_the_model_named_as_the_metadata_names_its_output(monai_label):
+    _, result = monai_label
+    meta = json.loads((ROOT / "configs" / "metadata.json").read_text())
+    channels = meta["network_data_format"]["outputs"]["pred"]["channel_def"]
+    expected = {name.lower(): int(k) for k, name in channels.items() if name != "background"}  # MONAI Label's form
+    assert result["info"]["labels"] == expected == {"gtv-1": 1}
+    assert result["info"]["type"] == "segmentation" and result["trainer"] is True
+    assert result["nifti"]["params"]["label_names"] == expected
+
+
+@needs_monailabel
+def test_monai_label_infers_on_a_nifti_file_and_a_dicom_series_on_their_own_grid(monai_label):
+    """The label map MONAI Label writes has the input's shape and affine (for the DICOM series: the grid our reader
+    gives it), is uint8 with 0 and 1 only, and the NIfTI file and the DICOM series of the same case give the same."""
+    import nibabel as nib
+    from scripts.dicom import read_ct_series
+
+    work, result = monai_label
+    request = json.loads((work / "request.json").read_text())
+    image = nib.load(request["nifti"])
+    ct = read_ct_series(request["dicom"])
+    maps = {}
+    for kind, shape, affine in (("nifti", image.shape, image.affine), ("dicom", ct.hu.shape, ct.affine_ras)):
+        label = nib.load(result[kind]["file"])
+        assert label.shape == tuple(shape), kind
+        np.testing.assert_allclose(label.affine, affine, atol=1e-4, err_msg=kind)
+        assert label.get_data_dtype() == np.uint8, kind
+        maps[kind] = np.asarray(label.dataobj)
+        assert set(np.unique(maps[kind])) <= {0, 1}, kind
+    np.testing.assert_array_equal(maps["nifti"], maps["dicom"])
+
+
+@needs_monailabel
+def test_training_from_monai_label_writes_the_weights_it_then_serves(monai_label):
+    """One round of MONAI Label's training (its cases, "cpu", one epoch, its CheckpointLoader): nothing prepared, the
+    served weights loaded first, the best weights written to models/model.pt, and MONAI Label's next inference runs
+    exactly those weights."""
+    work, result = monai_label
+    assert result["train"] == {}
+    assert "Restored all variables from" in result["log"] and f"{NAME}/models/model.pt" in result["log"]
+    assert result["weights"]["before"] != result["weights"]["after"]
+    assert result["weights"]["served_equals_written"] is True
+    assert not (work / "no-dicom").exists(), "prepare neither read nor wrote anything"
+    bundle = work / "apps" / "monaibundle" / "model" / NAME
+    assert (bundle / "runs" / "train" / "checkpoints" / "latest.pt").is_file()
+    assert json.loads((bundle / "models" / "model.json").read_text())["labels"] == ["GTV-1"]
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The MONAI Label program: python tests/test_monailabel.py WORK_DIR (WORK_DIR holds studies/ and request.json)
+def monai_label_workarounds() -> None:
+    """What MONAI Label 0.8.5 needs beside this bundle's pinned packages (pydicom 3, torch 2.13.0+cpu): two modules it
+    imports at the top cannot be imported. Neither is on the path this test takes, nor on a radiology app's."""
+    import pydicom.uid
+
+    # pydicom-seg 0.4.1 (imported by MONAI Label's datastore/utils/convert.py) takes SegmentationStorage from
+    # pydicom._storage_sopclass_uids, which pydicom 3 removed; pydicom.uid holds the same UIDs
+    sys.modules.setdefault("pydicom._storage_sopclass_uids", pydicom.uid)
+    # transform/post.py imports torchvision.utils (make_grid, save_image: pathology apps only); PyPI has no torchvision
+    # built for torch 2.13.0+cpu (its wheels need the CUDA build of torch): a stand-in module
+    torchvision, utils = types.ModuleType("torchvision"), types.ModuleType("torchvision.utils")
+    utils.make_grid = utils.save_image = None
+    torchvision.utils = utils
+    sys.modules.setdefault("torchvision", torchvision)
+    sys.modules.setdefault("torchvision.utils", utils)
+
+
+def copy_bundle(bundle: Path, no_dicom: Path) -> None:
+    """The bundle as released (configs, scripts, docs, LICENSE, large_files.yml and models/model.pt with its labels),
+    with the small network and, for training, dataset_dir a folder that does not exist (prepare must not touch it)."""
+    import yaml
+    from monai.networks.nets import SwinUNETR
+
+    for item in ("configs", "scripts", "docs", "LICENSE", "large_files.yml"):
+        if (ROOT / item).is_dir():
+            shutil.copytree(ROOT / item, bundle / item, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy(ROOT / item, bundle / item)
+    train = json.loads((bundle / "configs" / "train.json").read_text())
+    train.update(SMALL, **SMALL_TRAINING, dataset_dir=str(no_dicom))
+    (bundle / "configs" / "train.json").write_text(json.dumps(train, indent=4))
+    inference = yaml.safe_load((bundle / "configs" / "inference.yaml").read_text())
+    inference.update(SMALL)
+    (bundle / "configs" / "inference.yaml").write_text(yaml.safe_dump(inference, sort_keys=False, width=120))
+    torch.manual_seed(0)
+    (bundle / "models").mkdir()
+    torch.save(SwinUNETR(in_channels=1, out_channels=2, feature_size=SMALL["feature_size"]).state_dict(),
+               bundle / "models" / "model.pt")  # fmt: skip
+    (bundle / "models" / "model.json").write_text(json.dumps({"labels": ["GTV-1"]}))
+
+
+def run_monai_label(work: Path) -> int:
+    """The app object the server builds, asked as 3D Slicer asks: infer (NIfTI, DICOM), train, infer again."""
+    os.environ.update(MONAI_LABEL_DATASTORE_AUTO_RELOAD="false", MONAI_LABEL_SESSION_PATH=str(work / "sessions"))
+    monai_label_workarounds()
+    try:
+        from monailabel.interfaces.utils.app import app_instance
+        from monailabel.main import Main
+    except ImportError as err:
+        print(f"{type(err).__name__}: {err}")
+        return CANNOT_IMPORT
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="[%(asctime)s] [%(levelname)s] (%(name)s) %(message)s")
+    clock, seconds = time.perf_counter(), {}
+    request = json.loads((work / "request.json").read_text())
+    # monailabel apps --download --name monaibundle --output apps; then the bundle copied in
+    Main().action_apps(argparse.Namespace(download=True, name="monaibundle", output=str(work / "apps"), prefix=None))
+    app_dir = work / "apps" / "monaibundle"
+    bundle = app_dir / "model" / NAME
+    copy_bundle(bundle, work / "no-dicom")
+    # monailabel start_server --app apps/monaibundle --studies studies --conf models <name> --conf zoo_source github
+    conf = {"models": NAME, "zoo_source": "github", "preload": "false", "sam2": "false"}
+    app = app_instance(str(app_dir), str(work / "studies"), conf)
+    seconds["app"] = round(time.perf_counter() - clock, 1)
+    results = {"info": app.info()["models"][NAME], "trainer": NAME in app.info()["trainers"], "seconds": seconds}
+    (work / "results").mkdir()
+
+    def infer(kind: str, image: str, **params) -> None:
+        start = time.perf_counter()
+        answer = app.infer({"model": NAME, "image": image, "device": "cpu", **params})
+        file = work / "results" / f"{kind}{''.join(Path(answer['file']).suffixes)}"
+        shutil.move(answer["file"], file)
+        results[kind] = {"file": str(file), "params": answer["params"]}
+        seconds[kind] = round(time.perf_counter() - start, 1)
+
+    infer("nifti", request["nifti"])
+    infer("dicom", request["dicom"], result_extension=".nii.gz")  # a folder has no extension: 3D Slicer names one
+    weights = bundle / "models" / "model.pt"
+    before = hashlib.sha256(weights.read_bytes()).hexdigest()
+    start = time.perf_counter()
+    results["train"] = app.train({"model": NAME, "max_epochs": 1, "val_split": 0.5, "device": "cpu",
+                                  "multi_gpu": False})  # fmt: skip
+    seconds["train"] = round(time.perf_counter() - start, 1)
+    infer("after_training", request["nifti"])
+    served = app._infers[NAME]._networks["cpu"][0].state_dict()  # the network MONAI Label ran just now
+    written = torch.load(weights, map_location="cpu")
+    results["weights"] = {"before": before, "after": hashlib.sha256(weights.read_bytes()).hexdigest(),
+                          "served_equals_written": served.keys() == written.keys()
+                          and all(torch.equal(v, written[k]) for k, v in served.items())}  # fmt: skip
+    (work / "result.json").write_text(json.dumps(results, indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_monai_label(Path(sys.argv[1])))
