@@ -25,7 +25,6 @@ the tumour where the phantom put it.
 from __future__ import annotations
 
 import json
-import os
 import resource
 import shutil
 import subprocess
@@ -35,6 +34,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from scripts.cpus import usable_cpus
 
 ROOT = Path(__file__).resolve().parents[1]
 CASES = {  # columns, rows, slices; pixel spacing, slice spacing (mm); the chest phantom or the demo-like synthetic case
@@ -64,7 +65,7 @@ def main(
     folder = Path(output_dir) if output_dir else Path(tempfile.mkdtemp(prefix="bench_inference_"))
     try:
         weights = _write_weights(folder / "models" / "model.pt", network["feature_size"])
-        report: dict[str, Any] = {"cpus": len(os.sched_getaffinity(0)), "threads": threads, "rows": [], **network,
+        report: dict[str, Any] = {"cpus": usable_cpus(), "threads": threads, "rows": [], **network,
                                   "gflop_per_window": round(window_gflop(network["feature_size"], network["roi_size"]),
                                                             1)}  # fmt: skip
         for case in cases:

@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import csv
 import dataclasses
-import gzip
 import json
 import logging
 import os
@@ -180,8 +179,7 @@ class Child:
 
     def tail(self, lines: int = LOG_TAIL_LINES) -> str:
         """The last ``lines`` lines of the log (each cut to 300 characters): where a traceback ends."""
-        text = self.log.read_text(errors="replace") if self.log.is_file() else ""
-        return "\n".join(line[:300] for line in text.splitlines()[-lines:])
+        return "\n".join(line[:300] for line in self.log_text().splitlines()[-lines:])
 
     def log_text(self) -> str:
         """The whole log (empty when there is none)."""
@@ -594,11 +592,12 @@ def step_summariser(kit: Kit) -> dict[str, Any]:
     run (an independent account of the same events), and its reading speed."""
     profile = kit.numbers("profile")
     trace = Path(profile["trace"])
+    work: dict[str, int] = {}
     start = time.perf_counter()
-    summary = summarize(trace)
+    summary = summarize(trace, work=work)
     seconds = time.perf_counter() - start
     checks = compare_with_key_averages(summary, json.loads(Path(profile["key_averages"]).read_text()))
-    inflated = _inflated_bytes(trace)
+    inflated = work["read"]  # the uncompressed bytes it read: the whole trace
     numbers = {"sections": {name: {"count": s["count"], "total_s": round(s["mean_s"] * s["count"], 6),
                                    "source": summary["sources"].get(name)} for name, s in summary["sections"].items()},
                "kernels": summary["kernels"], "launches": summary["launches"], "events": summary["events"],
@@ -653,15 +652,6 @@ def _is_copy(name: str) -> bool:
 def _check_text(check: dict[str, Any]) -> str:
     """One failed check in words."""
     return f"{check['what']}: summariser {check['summariser']}, key_averages {check['key_averages']}"
-
-
-def _inflated_bytes(path: Path) -> int:
-    """The uncompressed size of a .json.gz trace (what the summariser reads), by streaming it."""
-    total = 0
-    with gzip.open(path, "rb") as stream:
-        while chunk := stream.read(1 << 20):
-            total += len(chunk)
-    return total
 
 
 def step_evaluate_oom(kit: Kit) -> dict[str, Any]:
