@@ -30,7 +30,13 @@ class Series:
     shape: tuple[int, int, int] = (48, 48, 16)
     pixel_spacing: float = 2.0
     slice_spacing: float = 3.0
-    tilt_deg: float = 0.0  # each slice stepped sideways (along +y, the column direction) by tan(tilt) * spacing
+    tilt_deg: float = 0.0  # a gantry tilt (degrees), written as tilt_form says
+    # how the tilt is written: "sheared" -- axial planes, each slice stepped sideways (+y) by tan(tilt) * its z step;
+    # "scanner" -- as GE and Philips write it: the planes tilted about the left-right axis (ImageOrientationPatient
+    # [1, 0, 0, 0, cos, -sin]), ImagePositionPatient stepping straight along z, GantryDetectorTilt = tilt_deg (when
+    # gantry_tag); "reformat" -- an oblique reformat: the same tilted planes, positions stepping along their own normal
+    tilt_form: str = "sheared"
+    gantry_tag: bool = True
     gaps: tuple[float, ...] = ()  # uneven spacing: the z distances (mm) from each slice to the next, shape[2] - 1
     tumour_centre: tuple[float, float, float] = (8.0, -6.0, 18.0)
     tumour_radius: float = 10.0
@@ -40,9 +46,22 @@ class Series:
     def uid(self, tag: str) -> str:
         return self.uids.setdefault(tag, generate_uid(entropy_srcs=[self.patient_id, tag]))
 
+    def directions(self) -> tuple[np.ndarray, np.ndarray]:
+        """The row and column direction cosines (ImageOrientationPatient)."""
+        if self.tilt_form == "sheared":
+            return np.array([1.0, 0.0, 0.0]), np.array([0.0, 1.0, 0.0])
+        t = np.radians(self.tilt_deg)
+        return np.array([1.0, 0.0, 0.0]), np.array([0.0, np.cos(t), -np.sin(t)])
+
     def positions(self) -> np.ndarray:
         """ImagePositionPatient of each slice, first slice first."""
         nx, ny, nz = self.shape
+        if self.tilt_form != "sheared":  # each slice centred on the body axis, at its height z (or along its normal)
+            row, column = self.directions()
+            z = np.concatenate([[0.0], np.cumsum(self.gaps)]) if self.gaps else self.slice_spacing * np.arange(nz)
+            step = np.cross(row, column) if self.tilt_form == "reformat" else np.array([0.0, 0.0, 1.0])
+            corner = -(nx - 1) * self.pixel_spacing / 2 * row - (ny - 1) * self.pixel_spacing / 2 * column
+            return corner + np.outer(z, step)
         corner = np.array([-(nx - 1) * self.pixel_spacing / 2, -(ny - 1) * self.pixel_spacing / 2, 0.0])
         if self.gaps:  # z of each slice: the sum of the gaps below it; sideways by tan(tilt) * z, as the scanner steps
             if len(self.gaps) != nz - 1:
@@ -56,7 +75,8 @@ class Series:
         """LPS mm of every pixel centre of slice k, shape (rows, columns, 3)."""
         nx, ny, _ = self.shape
         cols, rows = np.meshgrid(np.arange(nx), np.arange(ny))
-        return self.positions()[k] + self.pixel_spacing * np.stack([cols, rows, np.zeros_like(cols)], -1)
+        row, column = self.directions()
+        return self.positions()[k] + self.pixel_spacing * (cols[..., None] * row + rows[..., None] * column)
 
     def tumour(self, k: int) -> np.ndarray:
         """Tumour mask of slice k (rows, columns): pixel centres inside the sphere."""
@@ -99,7 +119,9 @@ def ct_slice(series: Series, k: int, intercept: float = -1024.0) -> Dataset:
     ds.ImageType, ds.KVP, ds.PatientPosition = ["ORIGINAL", "PRIMARY", "AXIAL"], 120, "HFS"
     ds.BodyPartExamined = "CHEST"
     ds.ImagePositionPatient = [round(float(v), 4) for v in series.positions()[k]]
-    ds.ImageOrientationPatient = [1, 0, 0, 0, 1, 0]
+    ds.ImageOrientationPatient = [round(float(v), 6) for v in np.concatenate(series.directions())]
+    if series.tilt_form == "scanner" and series.gantry_tag:
+        ds.GantryDetectorTilt = series.tilt_deg
     ds.PixelSpacing = [series.pixel_spacing, series.pixel_spacing]
     ds.SliceThickness = series.slice_spacing
     ds.Rows, ds.Columns = series.shape[1], series.shape[0]

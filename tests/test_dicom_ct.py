@@ -376,3 +376,34 @@ def test_an_uneven_series_off_its_line_by_more_than_half_a_pixel_is_refused(tmp_
     ds.save_as(tmp_path / "0010.dcm")
     with pytest.raises(DicomCaseError, match=r"do not lie on one straight line \(off by 1\.50 mm\)"):
         read_ct_series(tmp_path, resample=True)
+
+
+@pytest.mark.parametrize(
+    ("tilt_deg", "gaps", "tagged"),
+    [(18.5, UNEVEN_GAPS, True), (-18.5, (), False)],
+    ids=["ge-uneven-tagged", "philips-untagged"],
+)
+def test_a_tilt_written_as_scanners_write_it_is_read_onto_an_orthogonal_grid_in_world_mm(
+    tmp_path, tilt_deg, gaps, tagged
+):
+    """GE and Philips write a gantry tilt as tilted planes (ImageOrientationPatient [1, 0, 0, 0, cos, -sin]) whose
+    positions step straight along z: a sheared stack like the factory's other form. Read with resample=True, the grid
+    is orthogonal (its axes the slices' row, column and normal), the tumour is where the writer put it in mm, and a
+    label map thresholded on the grid comes back onto every original slice as the writer drew it there."""
+    series = uneven_series(tilt_deg, gaps, tilt_form="scanner", gantry_tag=tagged)
+    if not gaps:
+        series.slice_spacing = 2.5
+    write_series(series, tmp_path)
+    ct = read_ct_series(tmp_path, resample=True)
+    assert len(ct.sop_instance_uids) == 24
+    axes = ct.affine_lps[:3, :3] / np.linalg.norm(ct.affine_lps[:3, :3], axis=0)
+    np.testing.assert_allclose(axes.T @ axes, np.eye(3), atol=1e-6)  # orthogonal
+    row, column = series.directions()
+    np.testing.assert_allclose(axes[:, 2], np.cross(row, column), atol=1e-6)  # the third axis is the planes' normal
+    centre = tumour_centre_of(ct.hu > (TUMOUR_HU / 2), ct.affine_ras)
+    np.testing.assert_allclose(centre, series.tumour_centre, atol=0.5)  # mm
+    back = ct.slices.to_slices((ct.hu > TUMOUR_HU / 2).astype(np.uint8)).astype(bool)
+    truth = series.tumour_on_slices()
+    assert truth.sum() > 0 and (back != truth).sum() <= 0.02 * truth.sum()
+    (note,) = [n for n in ct.notes if "resampled" in n]
+    assert f"gantry tilt of {abs(tilt_deg):.1f} deg" in note

@@ -92,3 +92,71 @@ def test_a_series_is_described_from_its_instance_headers_in_millimetres():
                            instances)  # fmt: skip
     assert info["orientation"] == "axial" and info["spacing_mm"] == 2.5 and info["images"] == 4
     assert info["image_types"] == ["AXIAL", "ORIGINAL", "PRIMARY"] and info["description"] == ""
+
+
+def headers_of(written) -> list[InstanceHeader]:
+    """The rules' view of a series the factory wrote (tests/dicom_factory.py: no geometry shared with the rules)."""
+    return [InstanceHeader(CT, tuple(ds.ImageType), tuple(float(v) for v in ds.ImageOrientationPatient),
+                           tuple(float(v) for v in ds.ImagePositionPatient),
+                           float(ds.GantryDetectorTilt) if "GantryDetectorTilt" in ds else None)
+            for ds in written]  # fmt: skip
+
+
+def described(written, uid: str, number: int = 2) -> dict:
+    return describe_series({"series_uid": uid, "modality": "CT", "number": number, "description": "", "images": 0},
+                           headers_of(written))  # fmt: skip
+
+
+def factory_series(**options):
+    from dicom_factory import Series, ct_slice
+
+    series = Series(**options)
+    return [ct_slice(series, k) for k in range(series.shape[2])]
+
+
+@pytest.mark.parametrize(
+    ("options", "angle"),
+    [
+        ({"tilt_deg": 18.5, "tilt_form": "scanner"}, 18.5),  # GE: tilted planes, positions along z, the tag
+        ({"tilt_deg": -18.5, "tilt_form": "scanner", "slice_spacing": 2.5}, 18.5),  # Philips
+        ({"tilt_deg": 18.5, "tilt_form": "scanner", "gantry_tag": False}, 18.5),  # the tag stripped
+        ({"tilt_deg": 15.0}, 15.0),  # axial planes stepped sideways (the factory's sheared form)
+    ],
+    ids=["ge", "philips", "untagged", "sheared"],
+)
+def test_a_gantry_tilted_axial_series_is_usable_and_its_angle_named(options, angle):
+    info = described(factory_series(**options), "tilted")
+    assert info["orientation"] == "axial" and info["tilt_deg"] == pytest.approx(angle, abs=0.05)
+    assert f"gantry tilt of {angle:.1f} deg" in info["geometry"]
+    chosen, others = choose_series([info])
+    assert chosen["series_uid"] == "tilted" and others == []
+    assert f"gantry tilt of {angle:.1f} deg" in chosen["note"] and "no untilted series" in chosen["note"]
+
+
+def test_an_oblique_reformat_is_not_a_gantry_tilt_and_is_refused_with_its_angle():
+    """The same tilted planes, but the positions step along their own normal and no GantryDetectorTilt: a plane
+    chosen after the scan. Refused for orientation axial, named as what it is; taken with orientation any."""
+    info = described(factory_series(tilt_deg=18.5, tilt_form="reformat"), "reformat")
+    assert info["orientation"] == "oblique" and info["tilt_deg"] == pytest.approx(18.5, abs=0.05)
+    chosen, (other,) = choose_series([info])
+    assert chosen is None
+    assert other["reason"] == (
+        "an oblique reformat: slice normal 18.5 deg off the z axis (slices stepping along the plane's own normal, no "
+        "gantry tilt), not axial (series_rules#orientation)"
+    )
+    assert choose_series([info], {"orientation": "any"})[0]["series_uid"] == "reformat"
+    steep = described(factory_series(tilt_deg=40.0, tilt_form="scanner"), "steep")  # beyond any gantry's 30 degrees
+    assert steep["orientation"] == "oblique" and "40.0 deg" in steep["geometry"]
+
+
+def test_an_untilted_axial_series_comes_before_a_thinner_tilted_one_and_the_report_says_why():
+    """A Philips study: a 5 mm axial series and a 2.5 mm series tilted -18.5 degrees. The untilted one needs no
+    resampling and is used; the tilted one is listed as usable, with the angle."""
+    axial = described(factory_series(slice_spacing=5.0, patient_id="P"), "axial", number=2)
+    tilted = described(factory_series(tilt_deg=-18.5, tilt_form="scanner", slice_spacing=2.5), "tilted", number=3)
+    chosen, (other,) = choose_series([tilted, axial])
+    assert chosen["series_uid"] == "axial" and "note" not in chosen and chosen["tilt_deg"] == 0.0
+    assert other["reason"] == (
+        "usable, but a gantry tilt of 18.5 deg (it would be resampled onto an orthogonal grid), and the study has an "
+        "untilted series"
+    )

@@ -66,6 +66,25 @@ VERSION = json.loads((ROOT / "configs" / "metadata.json").read_text())["version"
 
 
 # ------------------------------------------------------------------------------------------ settings and secrets
+def test_a_pacs_series_tilted_as_scanners_write_it_is_chosen_by_the_same_rule_as_a_folder():
+    """WADO-RS metadata (DICOM JSON) of a GE-style tilted series (tilted planes, positions along z, GantryDetectorTilt)
+    and of an oblique reformat: the rule folders use takes the first as axial with its angle, the second not."""
+    from dicom_factory import Series, ct_slice
+    from scripts.dicom.series_rules import choose_series
+    from scripts.dicomweb import describe_series
+
+    def metadata(**options) -> list[dict]:
+        series = Series(**options)
+        return [ct_slice(series, k).to_json_dict() for k in range(series.shape[2])]
+
+    record = {"0020000E": {"vr": "UI", "Value": ["1.2.3"]}, "00080060": {"vr": "CS", "Value": ["CT"]}}
+    tilted = describe_series(record, metadata(tilt_deg=18.5, tilt_form="scanner"))
+    assert tilted["orientation"] == "axial" and "gantry tilt of 18.5 deg" in tilted["geometry"]
+    assert "GantryDetectorTilt 18.5" in tilted["geometry"] and choose_series([tilted])[0] is not None
+    reformat = describe_series(record, metadata(tilt_deg=18.5, tilt_form="reformat", patient_id="R"))
+    assert choose_series([reformat])[0] is None and "oblique reformat" in reformat["geometry"]
+
+
 def test_credentials_come_from_the_environment_or_a_file_and_never_from_the_url(tmp_path, monkeypatch):
     monkeypatch.delenv("DICOMWEB_PASSWORD", raising=False)
     with pytest.raises(DicomWebError, match=r"environment variable DICOMWEB_PASSWORD .*never on the command line"):

@@ -228,12 +228,18 @@ class Threshold(torch.nn.Module):
 
 @pytest.fixture(scope="module")
 def uneven_inferred(tmp_path_factory) -> dict:
-    """Two series written with known positions (tests/dicom_factory.py, no geometry shared with the reader) -- at
-    uneven spacing, and at uneven spacing with an 18.5 degree gantry tilt -- inferred as inference.yaml does it:
+    """Series written with known positions (tests/dicom_factory.py, no geometry shared with the reader) -- at uneven
+    spacing, and at uneven spacing with an 18.5 degree gantry tilt written as axial planes stepped sideways and as GE
+    writes it (tilted planes stepping along z), and a Philips-style -18.5 degree tilt at even steps without
+    GantryDetectorTilt -- found by find_inputs (the series rule) and inferred as inference.yaml does it:
     find_inputs, CaseDataset with LoadCased and the CT preprocessing's geometry, a DataLoader (collation), the case by
     case evaluator with a sliding window, the softmax inverted onto LoadCased's grid, argmax, SaveCased."""
     tmp = tmp_path_factory.mktemp("uneven")
-    series = {"UNEVEN": uneven_series(patient_id="UNEVEN"), "TILTED": uneven_series(18.5, patient_id="TILTED")}
+    series = {"UNEVEN": uneven_series(patient_id="UNEVEN"), "TILTED": uneven_series(18.5, patient_id="TILTED"),
+              # the tilt as GE and Philips write it: tilted planes, positions along z (GantryDetectorTilt or not)
+              "GE_TILT": uneven_series(18.5, patient_id="GE_TILT", tilt_form="scanner"),
+              "PHILIPS_TILT": uneven_series(-18.5, (), patient_id="PHILIPS_TILT", tilt_form="scanner",
+                                            gantry_tag=False, slice_spacing=2.5)}  # fmt: skip
     for name, s in series.items():
         write_series(s, tmp / "in" / name)
     preprocessing = Compose([
@@ -289,7 +295,10 @@ def overlap(found: dict[str, np.ndarray], truth: dict[str, np.ndarray]) -> float
     return 2.0 * both / (sum(int(m.sum()) for m in found.values()) + sum(int(m.sum()) for m in truth.values()))
 
 
-@pytest.mark.parametrize("case", ["UNEVEN", "TILTED"])
+ALL_FORMS = ["UNEVEN", "TILTED", "GE_TILT", "PHILIPS_TILT"]
+
+
+@pytest.mark.parametrize("case", ALL_FORMS)
 def test_an_uneven_series_gets_a_seg_on_every_original_slice_with_the_tumour_where_the_writer_put_it(
     uneven_inferred, case
 ):
@@ -298,7 +307,7 @@ def test_an_uneven_series_gets_a_seg_on_every_original_slice_with_the_tumour_whe
     series, headers = uneven_inferred["series"][case], ct_headers(uneven_inferred["in"] / case)
     seg = hd.seg.segread(uneven_inferred["out"] / case / f"{case}_seg.dcm")
     referenced = {str(i.ReferencedSOPInstanceUID) for i in seg.ReferencedSeriesSequence[0].ReferencedInstanceSequence}
-    assert referenced == set(headers) and len(headers) == 24
+    assert referenced == set(headers) and len(headers) == series.shape[2]
     for frame in seg.PerFrameFunctionalGroupsSequence:
         uid = str(frame.DerivationImageSequence[0].SourceImageSequence[0].ReferencedSOPInstanceUID)
         position = np.asarray(frame.PlanePositionSequence[0].ImagePositionPatient, dtype=float)
@@ -312,7 +321,7 @@ def test_an_uneven_series_gets_a_seg_on_every_original_slice_with_the_tumour_whe
     np.testing.assert_allclose(centroid_lps(found, headers), series.tumour_centre, atol=2.0)  # a pixel
 
 
-@pytest.mark.parametrize("case", ["UNEVEN", "TILTED"])
+@pytest.mark.parametrize("case", ALL_FORMS)
 def test_an_uneven_series_gets_rtstruct_contours_on_its_own_slices_around_the_tumour(uneven_inferred, case):
     """The RTSTRUCT read with pydicom by hand: it lists every instance, each contour lies in the plane of the instance
     it references, and the contours filled on those slices cover the writer's tumour."""
@@ -338,26 +347,30 @@ def test_an_uneven_series_gets_rtstruct_contours_on_its_own_slices_around_the_tu
     np.testing.assert_allclose(centroid_lps(found, headers), centroid_lps(truth, headers), atol=1.0)  # mm
 
 
-@pytest.mark.parametrize("case", ["UNEVEN", "TILTED"])
+@pytest.mark.parametrize("case", ALL_FORMS)
 def test_an_uneven_series_gets_its_nifti_and_report_on_the_equal_step_grid_and_says_so(uneven_inferred, case):
     series = uneven_inferred["series"][case]
     image = nib.load(uneven_inferred["out"] / case / f"{case}_seg.nii.gz")
-    step = image.affine[:3, 2]
-    assert abs(step[2]) <= min(series.gaps) + 1e-6
-    np.testing.assert_allclose(step[:2], 0.0, atol=1e-6 if case == "TILTED" else 1e-2)  # orthogonal
+    axes = image.affine[:3, :3] / np.linalg.norm(image.affine[:3, :3], axis=0)
+    np.testing.assert_allclose(axes.T @ axes, np.eye(3), atol=1e-6 if "TILT" in case else 1e-2)  # orthogonal
+    row, column = series.directions()
+    normal = np.cross(row, column) * [-1, -1, 1]  # the planes' normal, in the NIfTI's RAS
+    np.testing.assert_allclose(abs(axes[:, 2] @ normal), 1.0, atol=1e-6 if "TILT" in case else 1e-4)
     label = np.asarray(image.dataobj)
     np.testing.assert_allclose(tumour_centre_of(label == 1, image.affine), series.tumour_centre, atol=1.0)  # mm
     report = json.loads((uneven_inferred["out"] / case / f"{case}_report.json").read_text())
     notes = " ".join(report["notes"])
-    assert "24 slices with uneven slice spacing (1.10-7.40 mm along the slice normal)" in notes
-    assert ("gantry tilt of 18.5 deg" in notes) == (case == "TILTED")
+    # along the normal: the z gaps, times cos(18.5 deg) where the planes are tilted
+    along = "(1.04-7.02 mm along the slice normal)" if case == "GE_TILT" else "(1.10-7.40 mm along the slice normal)"
+    assert (f"24 slices with uneven slice spacing {along}" in notes) == bool(series.gaps)
+    assert ("gantry tilt of 18.5 deg" in notes) == ("TILT" in case)
     assert "resampled" in notes and "labels on the 24 original slices" in notes
     sphere_ml = 4 / 3 * np.pi * series.tumour_radius**3 / 1000
     assert report["structures"]["GTV-1"]["volume_ml"] == pytest.approx(sphere_ml, rel=0.1)
 
 
 @pytest.mark.skipif(shutil.which("dciodvfy") is None, reason="dciodvfy (Debian's dicom3tools) is not installed")
-@pytest.mark.parametrize("case", ["UNEVEN", "TILTED"])
+@pytest.mark.parametrize("case", ALL_FORMS)
 def test_the_dicom_written_for_an_uneven_series_is_valid_for_dciodvfy(uneven_inferred, case):
     for kind in ("seg", "rtstruct", "sr"):
         result = subprocess.run(["dciodvfy", str(uneven_inferred["out"] / case / f"{case}_{kind}.dcm")],

@@ -64,7 +64,7 @@ from tqdm import tqdm
 logger = logging.getLogger(__name__)
 
 #: bump when what a header record holds changes: older caches are then read again
-INDEX_VERSION = 1
+INDEX_VERSION = 2  # 2: GantryDetectorTilt of CT images; study, series and modality of other objects
 #: the only tags read from each file (pydicom skips the rest of the header; pixel data is never read)
 HEADER_TAGS = (
     "SOPClassUID",
@@ -81,6 +81,7 @@ HEADER_TAGS = (
     "ImageType",
     "ImageOrientationPatient",
     "ImagePositionPatient",
+    "GantryDetectorTilt",
     "ReferencedSeriesSequence",
     "ReferencedFrameOfReferenceSequence",
     "SegmentSequence",
@@ -92,6 +93,15 @@ HEADER_TAGS = (
     "SeriesDate",
     "SeriesTime",
 )
+#: what is kept of a DICOM object that is neither a CT image nor an annotation
+OTHER_TAGS = {
+    "study": "StudyInstanceUID",
+    "patient": "PatientID",
+    "series": "SeriesInstanceUID",
+    "number": "SeriesNumber",
+    "description": "SeriesDescription",
+    "modality": "Modality",
+}
 #: names that are never DICOM: skipped without opening (a download's listing, prepared NIfTI, logs, archives)
 NOT_DICOM_SUFFIXES = (".nii", ".nii.gz", ".json", ".csv", ".txt", ".md", ".log", ".pt", ".pth", ".onnx", ".png")
 NOT_DICOM_SUFFIXES += (".jpg", ".jpeg", ".zip", ".part", ".xml", ".html", ".pdf", ".py", ".yaml", ".yml")
@@ -140,6 +150,8 @@ def _summary(ds: pydicom.Dataset) -> dict:
     record = {"kind": kind, "sop_class": sop_class}
     if kind in ("other", "dicomdir"):
         record["what"] = "DICOMDIR" if kind == "dicomdir" else (UID(sop_class).name if sop_class else "no SOP class")
+        if kind == "other":  # to list it with its study as not used (a scanner's dose screen, a key image)
+            record.update({k: _text(ds, t) for k, t in OTHER_TAGS.items()})
         return record
     record.update(
         sop=_text(ds, "SOPInstanceUID"),
@@ -156,6 +168,7 @@ def _summary(ds: pydicom.Dataset) -> dict:
             image_type=_texts(ds.get("ImageType")),
             orientation=_floats(ds.get("ImageOrientationPatient")),
             position=_floats(ds.get("ImagePositionPatient")),
+            gantry_tilt=_float(ds.get("GantryDetectorTilt")),
         )
     elif kind == "seg":
         record.update(
@@ -204,6 +217,12 @@ def _texts(value) -> list[str]:
         str(v).strip().upper()
         for v in (value if isinstance(value, Sequence) and not isinstance(value, str) else [value])
     ]
+
+
+def _float(value) -> float | None:
+    """One number, or None when absent, empty or not a number."""
+    found = _floats([value]) if value not in (None, "") else []
+    return found[0] if found else None
 
 
 def _floats(value) -> list[float]:
@@ -571,6 +590,7 @@ class DicomIndex:
         studies: dict[tuple[str, str], list[SeriesFound]] = defaultdict(list)
         for s in self.series.values():
             studies[(s.patient, s.study)].append(s)
+        others = self._other_series()
         cases, failed = [], []
         for (patient, study), series in sorted(studies.items()):
             described = [
@@ -584,7 +604,11 @@ class DicomIndex:
                     },
                     [
                         InstanceHeader(
-                            h["sop_class"], tuple(h["image_type"]), tuple(h["orientation"]), tuple(h["position"])
+                            h["sop_class"],
+                            tuple(h["image_type"]),
+                            tuple(h["orientation"]),
+                            tuple(h["position"]),
+                            h.get("gantry_tilt"),
                         )
                         for h in (self.headers[f] for f in s.files)
                     ],
@@ -592,6 +616,7 @@ class DicomIndex:
                 for s in series
             ]
             chosen, alternatives = choose_series(described, rules)
+            alternatives += others.get((patient, study), [])
             first = min(series, key=lambda s: s.folders[0])
             record = {
                 "case_id": "",
@@ -619,6 +644,23 @@ class DicomIndex:
             cases.append(record)
         self._name_studies(cases + failed)
         return cases, failed
+
+    def _other_series(self) -> dict[tuple[str, str], list[dict]]:
+        """Per (patient, study): the series of objects that are not CT images (a scanner's secondary captures, a
+        dose report), each with why it is not the case's CT -- for the report's list of what was not used."""
+        found: dict[tuple[str, str, str], Counter] = defaultdict(Counter)
+        for h in self.headers.values():
+            if h["kind"] == "other" and h.get("study"):
+                found[(h.get("patient", ""), h["study"], h.get("series", ""))][(h.get("number", ""), h.get(
+                    "description", ""), h.get("modality", ""), h["what"])] += 1  # fmt: skip
+        listed: dict[tuple[str, str], list[dict]] = defaultdict(list)
+        for (patient, study, uid), kinds in sorted(found.items()):
+            for (number, description, modality, what), count in sorted(kinds.items()):
+                listed[(patient, study)].append(
+                    {"series_uid": uid, "modality": modality, "number": number, "description": description,
+                     "images": 0, "objects": count, "reason": f"{count} {what} object(s), not CT images"}
+                )  # fmt: skip
+        return listed
 
     def _name_studies(self, records: list[dict]) -> None:
         """Case ids: the PatientID (its folder's path when the header has none), ``_<StudyDate>`` when the patient

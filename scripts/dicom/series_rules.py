@@ -21,19 +21,28 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from pydicom.uid import UID
 from scripts.dicom.ct import CT_IMAGE_STORAGE, ENHANCED_CT_STORAGE
 
 AXIAL_COS = math.cos(math.radians(10))  # a slice normal within 10 degrees of the body axis is axial
+#: a stack whose slices step this far (degrees) or more off their normal is sheared: a gantry tilt
+MIN_TILT_DEG = 0.5
+#: scanners tilt their gantry by at most 30 degrees; a plane further off is a reformat whatever its positions say
+MAX_TILT_DEG = 30.0
+#: how far (degrees) a tilted stack's steps may lie from the body (table) axis
+TABLE_TOLERANCE_DEG = 2.0
 
 
 @dataclass(frozen=True)
 class InstanceHeader:
-    """What the rules read of one instance: its SOP Class UID, ImageType values, orientation (6) and position (3)."""
+    """What the rules read of one instance: its SOP Class UID, ImageType values, orientation (6), position (3) and
+    GantryDetectorTilt."""
 
     sop_class: str
     image_types: tuple[str, ...] = ()
     orientation: tuple[float, ...] = ()
     position: tuple[float, ...] = ()
+    gantry_tilt: float | None = None  # GantryDetectorTilt (degrees), where the scanner wrote it
 
 
 @dataclass(frozen=True)
@@ -80,7 +89,8 @@ class SeriesRules:
 def describe_series(series: Mapping, instances: Sequence[InstanceHeader] | None) -> dict:
     """What the rules need to know of a series: ``series`` gives ``series_uid``, ``modality``, ``number``,
     ``description`` and ``images`` (a count, used when the instances were not examined); ``instances`` add the classic
-    CT images, SOP classes, image types, orientation and slice step (mm)."""
+    CT images, SOP classes, image types, orientation, slice step (mm) and, for a tilted or oblique stack, its angle
+    (``tilt_deg``) and what it is (``geometry``: see :func:`slice_geometry`)."""
     info = {k: series.get(k) for k in ("series_uid", "modality", "number", "description", "images")}
     info.update(description=str(info["description"] or ""), images=int(info["images"] or 0))
     if instances is None:
@@ -93,17 +103,72 @@ def describe_series(series: Mapping, instances: Sequence[InstanceHeader] | None)
     if len(orientations) > 1:
         info["orientation"] = "mixed"
     elif orientations and len(next(iter(orientations))) == 6:
-        row_col = np.asarray(next(iter(orientations)), float).reshape(2, 3)
-        normal = np.cross(row_col[0], row_col[1])
-        normal /= np.linalg.norm(normal) or 1.0
-        axis = int(np.argmax(np.abs(normal)))
-        info["orientation"] = ("sagittal", "coronal", "axial")[axis] if abs(normal[axis]) >= AXIAL_COS else "oblique"
-        along = sorted(
-            {round(float(np.dot(normal, np.asarray(i.position, float))), 3) for i in ct if len(i.position) == 3}
-        )
-        gaps = np.diff(along)
-        info["spacing_mm"] = round(float(statistics.median(gaps)), 3) if len(gaps) else None
+        tilts = {round(float(i.gantry_tilt), 2) for i in ct if i.gantry_tilt is not None}
+        positions = [i.position for i in ct if len(i.position) == 3]
+        info.update(slice_geometry(next(iter(orientations)), positions, next(iter(tilts)) if len(tilts) == 1 else None))
     return info
+
+
+def slice_geometry(
+    orientation: Sequence[float], positions: Sequence[Sequence[float]], gantry_tilt: float | None = None
+) -> dict:
+    """How a stack of slices lies, from ImageOrientationPatient, the slices' ImagePositionPatient and (when written)
+    GantryDetectorTilt: ``orientation`` (``axial``, ``coronal``, ``sagittal`` or ``oblique``), ``spacing_mm`` (the
+    median step along the slice normal), ``tilt_deg`` (the angle a gantry tilt or an oblique plane makes, else 0) and
+    ``geometry``, a line for the report that names what was found.
+
+    A slice normal within 10 degrees of a patient axis names the orientation; slices stepped sideways as well (a
+    sheared stack) are a gantry tilt of that angle. A normal further off is told apart by where the slices step:
+
+    * a **gantry tilt** as GE, Philips and Siemens write it: the planes tilted about the left-right axis (rows along x)
+      and the positions stepping straight along the body axis, as the table moved (or GantryDetectorTilt giving the
+      normal's angle): an axial acquisition, read onto an orthogonal grid by the reader;
+    * an **oblique reformat**: positions stepping along the plane's own normal and no GantryDetectorTilt: a plane
+      chosen after the scan, not the axial series.
+    """
+    row_col = np.asarray(orientation, float).reshape(2, 3)
+    normal = np.cross(row_col[0], row_col[1])
+    normal /= np.linalg.norm(normal) or 1.0
+    axis = int(np.argmax(np.abs(normal)))
+    off_axis = math.degrees(math.acos(min(1.0, abs(float(normal[axis])))))
+    points = np.asarray(positions, float).reshape(-1, 3)
+    along = points @ normal
+    order = np.argsort(along, kind="stable")
+    gaps = np.diff(np.unique(np.round(along, 3)))
+    found: dict[str, Any] = {"spacing_mm": round(float(statistics.median(gaps)), 3) if len(gaps) else None}
+    step = points[order[-1]] - points[order[0]] if len(points) > 1 else np.zeros(3)
+    length = float(np.linalg.norm(step))
+    shear = math.degrees(math.acos(min(1.0, abs(float(step @ normal)) / length))) if length > 0 else 0.0
+    names = ("sagittal", "coronal", "axial")
+    if math.cos(math.radians(off_axis)) >= AXIAL_COS:
+        found.update(orientation=names[axis], tilt_deg=round(shear, 2) if shear >= MIN_TILT_DEG else 0.0)
+        found["geometry"] = (
+            f"{names[axis]} with a gantry tilt of {shear:.1f} deg (the slices step {shear:.1f} deg off their normal): "
+            "read onto an orthogonal grid"
+            if shear >= MIN_TILT_DEG
+            else f"{names[axis]} slices (normal {off_axis:.1f} deg off the {'xyz'[axis]} axis)"
+        )
+        return found
+    # the table moves along z: a tilted acquisition steps along z whatever its planes' angle
+    table = length > 0 and abs(float(step[2])) / length >= math.cos(math.radians(TABLE_TOLERANCE_DEG))
+    about_x = abs(float(row_col[0][0])) >= AXIAL_COS and abs(float(normal[0])) < 1 - AXIAL_COS
+    angle = math.degrees(math.acos(min(1.0, abs(float(normal[2])))))
+    tagged = gantry_tilt is not None and abs(abs(float(gantry_tilt)) - angle) <= 1.0
+    if about_x and angle <= MAX_TILT_DEG and ((table and shear >= MIN_TILT_DEG) or tagged):
+        tag = f"GantryDetectorTilt {float(gantry_tilt):g}" if gantry_tilt is not None else "no GantryDetectorTilt"
+        found.update(orientation="axial", tilt_deg=round(angle, 2))
+        found["geometry"] = (
+            f"axial with a gantry tilt of {angle:.1f} deg (planes tilted about the left-right axis, slices stepping "
+            f"along the body axis; {tag}): read onto an orthogonal grid"
+        )
+        return found
+    found.update(orientation="oblique", tilt_deg=round(off_axis, 2))
+    if table and shear >= MIN_TILT_DEG:
+        what = "slices stepping along the body axis but the planes not tilted about the left-right axis"
+    else:
+        what = "slices stepping along the plane's own normal, no gantry tilt"
+    found["geometry"] = f"an oblique reformat: slice normal {off_axis:.1f} deg off the {'xyz'[axis]} axis ({what})"
+    return found
 
 
 def choose_series(described: Sequence[Mapping], rules: SeriesRules | Mapping | None = None) -> tuple[dict | None, list]:
@@ -115,7 +180,14 @@ def choose_series(described: Sequence[Mapping], rules: SeriesRules | Mapping | N
         info["reason"] = _refusal(info, rules)
     usable = sorted(
         (s for s in cts if s["reason"] is None),
-        key=lambda s: (not _preferred(s, rules), s["spacing_mm"], -s["images"], _number(s["number"]), s["series_uid"]),
+        key=lambda s: (
+            not _preferred(s, rules),
+            _tilted(s),
+            s["spacing_mm"],
+            -s["images"],
+            _number(s["number"]),
+            s["series_uid"],
+        ),
     )
     chosen = usable[0] if usable else None
     if chosen is not None:
@@ -125,10 +197,18 @@ def choose_series(described: Sequence[Mapping], rules: SeriesRules | Mapping | N
                 f"ImageType {'/'.join(chosen['image_types']) or 'absent'}: the study has no "
                 f"{'/'.join(rules.prefer_image_types)} series that passes series_rules, so this one is used"
             )
+        if _tilted(chosen):
+            tilt = f"{chosen['geometry']}; the study has no untilted series that passes series_rules"
+            chosen["note"] = f"{chosen['note']}; {tilt}" if "note" in chosen else tilt
         for other in usable[1:]:
             if _preferred(chosen, rules) and not _preferred(other, rules):
                 why = f"ImageType {'/'.join(other['image_types'])}, and the study has an {rules.prefer_image_types[0]}"
                 why += " series"
+            elif _tilted(other) and not _tilted(chosen):
+                why = (
+                    f"a gantry tilt of {other['tilt_deg']:.1f} deg (it would be resampled onto an orthogonal grid), "
+                    "and the study has an untilted series"
+                )
             elif other["spacing_mm"] > chosen["spacing_mm"]:
                 why = f"{other['spacing_mm']:g} mm slices, thicker than the chosen {chosen['spacing_mm']:g} mm"
             elif other["images"] < chosen["images"]:
@@ -137,6 +217,11 @@ def choose_series(described: Sequence[Mapping], rules: SeriesRules | Mapping | N
                 why = "as thin and as many slices as the chosen one, which has the lower series number"
             other["reason"] = f"usable, but {why}"
     return chosen, [s for s in cts if s is not chosen]
+
+
+def _tilted(info: Mapping) -> bool:
+    """Whether the series is a gantry-tilted stack (read onto an orthogonal grid by interpolation)."""
+    return bool(info.get("tilt_deg")) and info.get("orientation") == "axial"
 
 
 def _preferred(info: Mapping, rules: SeriesRules) -> bool:
@@ -152,13 +237,17 @@ def _refusal(info: Mapping, rules: SeriesRules) -> str | None:
         return f"{info['images']} images, fewer than series_rules#min_slices ({rules.min_slices})"
     if not info["images"] and set(info["sop_classes"]) & set(ENHANCED_CT_STORAGE):
         return "Enhanced (multi-frame) CT: the reader takes classic CT images (one file per slice)"
-    if info["images"] < rules.min_slices:
-        return f"{info['images']} CT images, fewer than series_rules#min_slices ({rules.min_slices})"
+    if not info["images"]:
+        kinds = ", ".join(UID(c).name if UID(c).is_valid else c for c in info["sop_classes"]) or "nothing"
+        return f"no CT image ({kinds})"
     excluded = [t for t in info["image_types"] if t in rules.exclude_image_types]
     if excluded:
         return f"ImageType {'/'.join(excluded)} (series_rules#exclude_image_types)"
+    if info["images"] < rules.min_slices:
+        return f"{info['images']} CT images, fewer than series_rules#min_slices ({rules.min_slices})"
     if rules.orientation == "axial" and info["orientation"] != "axial":
-        return f"{info['orientation']} slices, not axial (series_rules#orientation)"
+        what = info.get("geometry") or f"{info['orientation']} slices"
+        return f"{what}, not axial (series_rules#orientation)"
     if rules.description is not None and not re.search(rules.description, info["description"]):
         return f"SeriesDescription {info['description']!r} does not match series_rules#description"
     if info["spacing_mm"] is None or info["spacing_mm"] <= 0:

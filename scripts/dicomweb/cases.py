@@ -42,11 +42,20 @@ def describe_series(series: Mapping, instances: Sequence[Mapping] | None) -> dic
                 tuple(str(v) for v in values(i, "ImageType")),
                 tuple(float(v) for v in values(i, "ImageOrientationPatient")),
                 tuple(float(v) for v in values(i, "ImagePositionPatient")),
+                _degrees(first(i, "GantryDetectorTilt")),
             )
             for i in instances
         ]
     )
     return describe_rules_series(summary, headers)
+
+
+def _degrees(value: Any) -> float | None:
+    """GantryDetectorTilt as a number, None when absent or empty."""
+    try:
+        return None if value in (None, "") else float(value)
+    except (TypeError, ValueError):
+        return None
 
 
 def find_cases(
