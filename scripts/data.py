@@ -76,13 +76,17 @@ def make_loader(
     num_workers: int = 0,
     persistent_workers: bool | str = True,
     sampler=None,
+    collate_fn=None,
 ) -> DataLoader:
     """``ThreadDataLoader`` for GPU-cached data or when asked, else ``DataLoader`` with ``num_workers`` processes.
 
-    With a ``sampler`` (DDP's ``DistributedSampler``) the sampler shuffles, not the loader."""
+    With a ``sampler`` (DDP's ``DistributedSampler``) the sampler shuffles, not the loader. ``collate_fn``: MONAI's
+    ``list_data_collate`` when None (evaluation's case by case loader gives :func:`scripts.inputs.collate_cases`)."""
     num_workers = int(num_workers)
     shuffle = bool(shuffle) and sampler is None
     common = {"batch_size": batch_size, "shuffle": shuffle, "sampler": sampler}
+    if collate_fn is not None:
+        common["collate_fn"] = collate_fn
     if check_cache(cache) == "gpu":
         return ThreadDataLoader(dataset, num_workers=0, **common)
     if as_bool(thread_loader, "thread_loader"):

@@ -30,7 +30,7 @@ from ignite.metrics import Metric
 from monai.engines import SupervisedEvaluator
 from monai.engines.utils import IterationEvents
 from monai.transforms import Compose, apply_transform
-from scripts.inputs import failure_record
+from scripts.inputs import CASE_INDEX, failure_record
 from scripts.outputs import CaseOutputError
 
 logger = logging.getLogger(__name__)
@@ -46,8 +46,9 @@ class CaseByCaseEvaluator(SupervisedEvaluator):
         ]:
             _count_only_cases_that_ran(metric)
         self.stage_seconds: dict[str, float] = defaultdict(float)
-        if isinstance(kwargs.get("postprocessing"), Compose):
-            kwargs["postprocessing"] = _TimedCompose(kwargs["postprocessing"], self.stage_seconds)
+        self.record: dict = {}  # the case's record, as its dataset holds it (see _iteration)
+        if kwargs.get("postprocessing") is not None:
+            kwargs["postprocessing"] = _CasePostprocessing(kwargs["postprocessing"], self)
         super().__init__(*args, **kwargs)
         self.failures: list[dict] = []
         self.on_case_done = on_case_done
@@ -64,6 +65,8 @@ class CaseByCaseEvaluator(SupervisedEvaluator):
 
     def _iteration(self, engine: Engine, batchdata: dict) -> Any:
         item = _single(batchdata)
+        self.record = self._record_of(item)
+        item = {**self.record, **item}
         self.stage_seconds.clear()
         for stage in ("read", "preprocess"):
             if isinstance(item.get(f"seconds_{stage}"), (float, int, torch.Tensor)):
@@ -80,6 +83,15 @@ class CaseByCaseEvaluator(SupervisedEvaluator):
                 return self._fail(engine, item, stage, failure_record(item, stage, err)["failure_reason"])
         finally:
             self._case_done(item)
+
+    def _record_of(self, item: dict) -> dict:
+        """The case's record from its dataset (:meth:`scripts.inputs.CaseDataset.record`): what stayed out of the
+        DataLoader's collation, joined to the case again here, in this process."""
+        dataset = getattr(self.data_loader, "dataset", None)
+        index = item.get(CASE_INDEX)
+        if not hasattr(dataset, "record") or index is None or int(index) < 0:
+            return {}
+        return dataset.record(int(index))
 
     def _case_done(self, item: dict) -> None:
         if self.on_case_done is None:
@@ -98,21 +110,29 @@ class CaseByCaseEvaluator(SupervisedEvaluator):
         return []
 
 
-class _TimedCompose:
-    """A post-processing ``Compose`` applied transform by transform, each one's seconds added to ``seconds`` under the
-    ``stage`` it names (``write``, ``store``), else ``postprocess``; one that is switched off (``enabled`` false) is
-    applied but not counted."""
+class _CasePostprocessing:
+    """The evaluator's post-processing applied to each case with the case's record joined under its data (the writers
+    read discovery's ``slice_paths``, evaluation its ``truth_file``; the data's own keys win); a ``Compose`` is applied
+    transform by transform, each one's seconds added to the evaluator's ``stage_seconds`` under the ``stage`` it names
+    (``write``, ``store``), else ``postprocess``; one that is switched off (``enabled`` false) is applied but not
+    counted."""
 
-    def __init__(self, compose: Compose, seconds: dict[str, float]) -> None:
-        self.compose, self.seconds = compose, seconds
+    def __init__(self, postprocessing: Callable, evaluator: CaseByCaseEvaluator) -> None:
+        self.postprocessing, self.evaluator = postprocessing, evaluator
 
     def __call__(self, data: Any) -> Any:
-        for transform in self.compose.transforms:
+        if isinstance(data, dict):
+            data = {**self.evaluator.record, **data}
+        compose = self.postprocessing
+        if not isinstance(compose, Compose):
+            return compose(data)
+        seconds = self.evaluator.stage_seconds
+        for transform in compose.transforms:
             clock = time.perf_counter()
-            data = apply_transform(transform, data, self.compose.map_items, self.compose.unpack_items)
+            data = apply_transform(transform, data, compose.map_items, compose.unpack_items)
             if getattr(transform, "enabled", True):  # a writer switched off is no stage of this run
                 stage = getattr(transform, "stage", "postprocess")
-                self.seconds[stage] = round(self.seconds.get(stage, 0.0) + time.perf_counter() - clock, 3)
+                seconds[stage] = round(seconds.get(stage, 0.0) + time.perf_counter() - clock, 3)
         return data
 
 

@@ -10,13 +10,15 @@ whole input would have needed, the seconds spent finding the region and predicti
 out-of-memory error the case is run again once with the windows on the accelerator (``sw_device``) and the output
 stitched in CPU memory. ``force_oom=N`` makes the first N cases run out of memory on purpose, so that a run proves the
 fallback on a real device (``benchmarks/gpu_proof.py`` passes ``--sliding_window_inferer#force_oom 1``).
+:class:`SameDeviced` ends the post-processing of validation and evaluation: the prediction and the label meet on one
+device before any metric, wherever the fallback left the prediction.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -24,6 +26,7 @@ import torch
 from monai.data.utils import dense_patch_slices
 from monai.inferers import SlidingWindowInferer
 from monai.inferers.utils import _get_scan_interval
+from monai.transforms import MapTransform
 from monai.utils import convert_to_dst_type, ensure_tuple_rep, fall_back_tuple
 from scripts.dicom.common import LPS_TO_RAS
 from scripts.region import MARGIN_MM, Region, find_thorax
@@ -140,3 +143,18 @@ class FallbackSlidingWindowInferer(SlidingWindowInferer):
             lps = box.corners_world(LPS_TO_RAS @ ras.reshape(-1, 4, 4)[0])
             record["box_lps_mm"] = [[round(float(v), 1) for v in corner] for corner in lps]
         return record
+
+
+class SameDeviced(MapTransform):
+    """Put the tensors under ``keys`` on one device before a metric compares them: left where they are when they
+    share one, else all moved to the CPU. The prediction of a case that ran out of memory is stitched on the CPU and
+    may stay there (when the accelerator has no room for it either), while the label it is scored against came on the
+    accelerator (validation) or from disk (evaluation): a metric given both would stop the run."""
+
+    def __call__(self, data: Mapping[Hashable, Any]) -> dict:
+        d = dict(data)
+        keys = [k for k in self.key_iterator(d) if isinstance(d[k], torch.Tensor)]
+        if len({d[k].device for k in keys}) > 1:
+            for key in keys:
+                d[key] = d[key].cpu()
+        return d

@@ -26,7 +26,7 @@ from typing import Any
 import nibabel as nib
 import numpy as np
 import torch
-from monai.data import Dataset, MetaTensor
+from monai.data import Dataset, MetaTensor, list_data_collate
 from monai.transforms import MapTransform, apply_transform
 from monai.utils import MetaKeys
 from scripts.dicom import DicomCaseError, read_ct_series, scan_ct_series
@@ -43,6 +43,12 @@ REPORT = "inference_report.json"
 #: the preprocessing and its inversion as ``original_affine`` does): ``origins`` (slices, 3), ``shape`` (2,),
 #: ``grid_shape`` (3,)
 SLICE_MAP = "slice_map"
+
+
+#: what of a case's record travels with its loaded data through the DataLoader (strings, which collate)
+IDENTITY = ("case_id", "source", "source_path")
+#: the key under which a :class:`CaseDataset` item carries its index in the dataset (its record's place)
+CASE_INDEX = "case_index"
 
 
 class InferenceInputError(ValueError):
@@ -147,14 +153,27 @@ class CaseDataset(Dataset):
     per case (each timed: ``seconds_read``, ``seconds_preprocess``), and an exception in either becomes the case's
     failure record (``failure_stage`` = ``read`` or ``preprocess``, ``failure_reason`` = the error's own message,
     which names the file) that :class:`scripts.evaluators.CaseByCaseEvaluator` records and skips. Works in DataLoader
-    worker processes: the record travels in the batch."""
+    worker processes.
+
+    Only what loading made travels through the DataLoader and its collation: the keys ``load`` and ``transform``
+    added or changed (the image), the case's identity (:data:`IDENTITY`) and its index (:data:`CASE_INDEX`). The
+    rest of the case's record -- discovery's ``series``, ``alternatives`` and ``notes`` (where a scout's spacing is
+    None), ``slice_paths``, a label's path -- stays here: the evaluator joins it to the case again after collation
+    (:meth:`record`), so no value of a record can end a run in ``default_collate``. Give the DataLoader
+    :func:`collate_cases` as its ``collate_fn``: a case whose loaded data still cannot be batched then fails alone,
+    at stage ``collate``."""
 
     def __init__(self, data: Sequence[dict], transform: Callable | None = None, load: Callable | None = None) -> None:
         super().__init__(data=data, transform=transform)
         self.load = load
 
+    def record(self, index: int) -> dict:
+        """The case's record as it was given (discovery's, a datalist's entry)."""
+        return dict(self.data[int(index)])
+
     def _transform(self, index: int) -> dict:
-        item = dict(self.data[index])
+        record = self.data[index]
+        item = dict(record)
         seconds = {}
         for stage, step in (("read", self.load), ("preprocess", self.transform)):
             if step is None:
@@ -163,15 +182,47 @@ class CaseDataset(Dataset):
             try:
                 item = apply_transform(step, item)
             except Exception as err:  # one case's data must not end the run
-                return failure_record(item, stage, err)
+                return {**failure_record(item, stage, err), CASE_INDEX: index}
             seconds[f"seconds_{stage}"] = time.perf_counter() - clock
-        return {**item, **seconds}
+        made = {
+            k: v
+            for k, v in item.items()
+            if (k in IDENTITY and isinstance(v, str)) or k not in record or not _same(v, record[k])
+        }
+        return {**made, **seconds, CASE_INDEX: index}
 
 
-def failure_record(item: Mapping, stage: str, error: BaseException) -> dict:
-    """What is kept of a failed case: its identity, the stage and the innermost error's message."""
-    keep = {k: item[k] for k in ("case_id", "source", "source_path", "image") if isinstance(item.get(k), str)}
-    return {**keep, "failure_stage": stage, "failure_reason": root_message(error)}
+def collate_cases(batch: Sequence[dict]) -> Any:
+    """MONAI's ``list_data_collate`` of a batch of :class:`CaseDataset` items; a batch that cannot be collated becomes
+    the failure records of its cases (stage ``collate``, the reason naming the error), so the DataLoader's worker
+    lives on and the next case runs."""
+    try:
+        return list_data_collate(batch)
+    except Exception as err:  # a value collation cannot batch: the case fails, not the run
+        reason = f"its loaded data cannot be batched ({root_message(err)})"
+        return list_data_collate(
+            [{**failure_record(item, "collate", reason), CASE_INDEX: item.get(CASE_INDEX, -1)} for item in batch]
+        )
+
+
+def _same(value: Any, given: Any) -> bool:
+    """Whether a record's value came through loading unchanged (the same object, or an equal plain value)."""
+    if value is given:
+        return True
+    if type(value) is not type(given) or isinstance(value, (torch.Tensor, np.ndarray)):
+        return False
+    try:
+        return bool(value == given)
+    except Exception:  # values that do not compare as one bool
+        return False
+
+
+def failure_record(item: Mapping, stage: str, error: BaseException | str) -> dict:
+    """What is kept of a failed case: its identity, the stage and the innermost error's message (or ``error``, a
+    reason already written)."""
+    keep = {k: item[k] for k in (*IDENTITY, "image") if isinstance(item.get(k), str)}
+    reason = error if isinstance(error, str) else root_message(error)
+    return {**keep, "failure_stage": stage, "failure_reason": reason}
 
 
 def root_message(error: BaseException) -> str:

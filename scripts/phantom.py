@@ -87,7 +87,7 @@ def chest(
     apex = float(np.max(zs)) - apex_mm
     truth = {"pathology": pathology, "apex_z_mm": apex, "tumour_centre_lps": [centre[0], centre[1], apex + centre[2]],
              "tumour_radii_mm": list(radii), "tumour_voxels": int(tumour.sum())}  # fmt: skip
-    return hu, np.ascontiguousarray(tumour), truth
+    return hu, np.array(tumour), truth  # its own writable array, not a read-only broadcast view
 
 
 def _pathology(hu: np.ndarray, pathology: str, lungs: dict, x, y, z, shape: tuple) -> None:

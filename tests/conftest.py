@@ -64,14 +64,20 @@ def small_cases(tmp_path_factory) -> tuple[Path, list[dict]]:
     return out, truths
 
 
-def bundle_run(*args: str, cwd: Path | None = None, timeout: int = 900) -> subprocess.CompletedProcess:
+def bundle_run(
+    *args: str, cwd: Path | None = None, timeout: int = 900, with_faults: bool = False
+) -> subprocess.CompletedProcess:
     """``python -m monai.bundle run ...`` as a user types it, from ``cwd`` (default: a folder outside the bundle, so
-    ``--bundle_root`` is added)."""
+    ``--bundle_root`` is added). ``with_faults``: the configs may name ``faults.<name>`` (tests/faults.py)."""
     command = [sys.executable, "-m", "monai.bundle", "run", *args]
     if cwd is None:
         cwd = ROOT.parent
         command += ["--bundle_root", str(ROOT)]
-    return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    env = None
+    if with_faults:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "tests"), str(ROOT),
+                                                                         os.environ.get("PYTHONPATH")]))}  # fmt: skip
+    return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def tiny_dataset(tmp: Path, num_cases: int = TINY_CASES) -> Path:

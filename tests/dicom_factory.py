@@ -14,7 +14,7 @@ import highdicom as hd
 import numpy as np
 from pydicom.dataset import Dataset, FileMetaDataset
 from pydicom.sr.codedict import codes
-from pydicom.uid import CTImageStorage, ExplicitVRLittleEndian, generate_uid
+from pydicom.uid import CTImageStorage, ExplicitVRLittleEndian, SecondaryCaptureImageStorage, generate_uid
 
 TUMOUR_HU, BODY_HU, AIR_HU = 60.0, 0.0, -1000.0
 #: z distances (mm) between consecutive slices of a GE-like head CT series: 1.1 to 7.4 mm, median 4.0 mm, and most
@@ -42,9 +42,14 @@ class Series:
     tumour_radius: float = 10.0
     patient_id: str = "RW-001"
     uids: dict = field(default_factory=dict)
+    name: str = ""  # another series of the same study (and frame of reference) when set: its own series and SOP UIDs
+    series_number: int = 2
+    description: str = ""
 
     def uid(self, tag: str) -> str:
-        return self.uids.setdefault(tag, generate_uid(entropy_srcs=[self.patient_id, tag]))
+        shared = tag in ("study", "for") or not self.name
+        sources = [self.patient_id, tag] if shared else [self.patient_id, self.name, tag]
+        return self.uids.setdefault(tag, generate_uid(entropy_srcs=sources))
 
     def directions(self) -> tuple[np.ndarray, np.ndarray]:
         """The row and column direction cosines (ImageOrientationPatient)."""
@@ -115,7 +120,9 @@ def ct_slice(series: Series, k: int, intercept: float = -1024.0) -> Dataset:
     ds.StudyDate = ds.SeriesDate = ds.ContentDate = "20250101"
     ds.StudyTime = ds.SeriesTime = ds.ContentTime = "080000"
     ds.StudyID, ds.AccessionNumber, ds.ReferringPhysicianName, ds.Manufacturer = "1", "", "", "factory"
-    ds.SeriesNumber, ds.InstanceNumber, ds.AcquisitionNumber = 2, k + 1, 1
+    ds.SeriesNumber, ds.InstanceNumber, ds.AcquisitionNumber = series.series_number, k + 1, 1
+    if series.description:
+        ds.SeriesDescription = series.description
     ds.ImageType, ds.KVP, ds.PatientPosition = ["ORIGINAL", "PRIMARY", "AXIAL"], 120, "HFS"
     ds.BodyPartExamined = "CHEST"
     ds.ImagePositionPatient = [round(float(v), 4) for v in series.positions()[k]]
@@ -139,6 +146,59 @@ def write_series(series: Series, image_dir: Path) -> list[Dataset]:
     for ds in slices:
         ds.save_as(image_dir / f"{ds.InstanceNumber:04d}.dcm", enforce_file_format=True)
     return slices
+
+
+def write_scanner_study(folder: Path, patient_id: str, shape: tuple[int, int, int] = (64, 64, 20)) -> dict[str, str]:
+    """One patient's CT study as a scanner exports it, each series in its own folder (``SE<number>/IM<n>``, no
+    extension): a one-image scout (LOCALIZER, coronal: ``SE000001``), the 5 mm axial series (``SE000002``), the same
+    range at 2.5 mm with a -18.5 degree gantry tilt as Philips writes it (tilted planes, positions along z,
+    GantryDetectorTilt: ``SE000003``) and two secondary captures (the dose report screens: ``SE000999``). Returns the
+    SeriesInstanceUID of each by name (scout, axial, tilted, captures)."""
+    axial = Series(shape=shape, slice_spacing=5.0, patient_id=patient_id, name="axial", description="Chest 5mm",
+                   tumour_centre=(8.0, -6.0, 45.0))  # fmt: skip
+    tilted = Series(shape=(shape[0], shape[1], 2 * shape[2] - 1), slice_spacing=2.5, tilt_deg=-18.5,
+                    tilt_form="scanner", patient_id=patient_id, name="tilted", series_number=3,
+                    description="Chest 2.5mm tilt", tumour_centre=(8.0, -6.0, 45.0))  # fmt: skip
+    scout = Series(shape=(shape[0], shape[1], 1), patient_id=patient_id, name="scout", series_number=1,
+                   description="Surview")  # fmt: skip
+    for series, number in ((axial, 2), (tilted, 3)):
+        for ds in (ct_slice(series, k) for k in range(series.shape[2])):
+            _save(ds, folder / f"SE{number:06d}" / f"IM{ds.InstanceNumber:06d}")
+    ds = ct_slice(scout, 0)
+    ds.ImageType = ["ORIGINAL", "PRIMARY", "LOCALIZER"]
+    ds.ImageOrientationPatient = [1, 0, 0, 0, 0, -1]  # a frontal projection, shown as a coronal image
+    ds.ImagePositionPatient = [-63.0, 0.0, 120.0]
+    _save(ds, folder / "SE000001" / "IM000001")
+    captures = Series(patient_id=patient_id, name="captures").uid("series")
+    for k in (1, 2):
+        _save(secondary_capture(axial, captures, k), folder / "SE000999" / f"IM{k:06d}")
+    return {"scout": scout.uid("series"), "axial": axial.uid("series"), "tilted": tilted.uid("series"),
+            "captures": captures}  # fmt: skip
+
+
+def secondary_capture(series: Series, series_uid: str, k: int) -> Dataset:
+    """A scanner's screen capture (a dose report page) in ``series``' study: Secondary Capture Image Storage,
+    modality CT, series 999 -- as GE and Philips put them beside the images."""
+    sop = generate_uid(entropy_srcs=[series_uid, str(k)])
+    ds = Dataset()
+    ds.file_meta = FileMetaDataset()
+    ds.file_meta.MediaStorageSOPClassUID = ds.SOPClassUID = SecondaryCaptureImageStorage
+    ds.file_meta.MediaStorageSOPInstanceUID = ds.SOPInstanceUID = sop
+    ds.file_meta.TransferSyntaxUID = ExplicitVRLittleEndian
+    ds.Modality, ds.ConversionType, ds.ImageType = "CT", "WSD", ["DERIVED", "SECONDARY", "SCREEN SAVE"]
+    ds.PatientID, ds.PatientName = series.patient_id, "Real^World"
+    ds.StudyInstanceUID, ds.SeriesInstanceUID = series.uid("study"), series_uid
+    ds.StudyDate, ds.SeriesNumber, ds.InstanceNumber, ds.SeriesDescription = "20250101", 999, k, "Dose Report"
+    ds.Rows = ds.Columns = 16
+    ds.SamplesPerPixel, ds.PhotometricInterpretation = 1, "MONOCHROME2"
+    ds.BitsAllocated, ds.BitsStored, ds.HighBit, ds.PixelRepresentation = 8, 8, 7, 0
+    ds.PixelData = bytes(16 * 16)
+    return ds
+
+
+def _save(ds: Dataset, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    ds.save_as(path, enforce_file_format=True)
 
 
 def write_seg(series: Series, slices: list[Dataset], path: Path) -> Path:

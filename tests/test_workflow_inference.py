@@ -19,9 +19,12 @@ import pytest
 import torch
 import yaml
 from conftest import ROOT, bundle_run, configs
+from dicom_factory import Series, write_scanner_study, write_series
 from pydicom.uid import generate_uid
 from scripts.dicom import read_ct_series, read_rtstruct_labels, read_seg_labels
 from scripts.synthetic import generate
+
+SCANNER = "SCANNER-01"  # the patient of the study written as a scanner exports it
 
 # inference with the demo's weights: inference.yaml stands alone, demo.yaml layered on it sets the demo network's ids
 DEMO_INFERENCE = configs("inference.yaml", "demo.yaml")
@@ -31,11 +34,30 @@ def dice(a: np.ndarray, b: np.ndarray) -> float:
     return 2.0 * np.logical_and(a, b).sum() / (a.sum() + b.sum())
 
 
+# one case failing at each stage after the check, by a fault the test puts into the configs (tests/faults.py)
+FAULTS = {"preprocess": "FAULT-PREPROCESS", "collate": "FAULT-COLLATE", "predict": "FAULT-PREDICT",
+          "postprocess": "FAULT-POSTPROCESS", "write": "FAULT-WRITE"}  # fmt: skip
+FAULTS_CONFIG = f"""
+fault_preprocess: {{_target_: faults.FailCased, case_id: {FAULTS["preprocess"]}, stage: preprocessing}}
+fault_collate: {{_target_: faults.UncollatableCased, case_id: {FAULTS["collate"]}}}
+fault_postprocess: {{_target_: faults.FailCased, case_id: {FAULTS["postprocess"]}, stage: post-processing}}
+preprocessing#transforms: "$[@channel_first] + @ct_transforms + [@fault_preprocess, @fault_collate]"
+evaluator#inferer: {{_target_: faults.FailingInferer, inferer: "@sliding_window_inferer", marker: {FAULTS["predict"]}}}
+evaluator#postprocessing: >-
+  $monai.transforms.Compose([@fault_postprocess] + @trained_postprocessing + [@save_case, @store_results])
+save_case#_target_: faults.SaveCasedFailingFor
+save_case#fail_case: {FAULTS["write"]}
+"""
+
+
 @pytest.fixture(scope="module")
 def inferred(demo_run, tmp_path_factory):
     """Two unseen synthetic DICOM cases, one of them also as NIfTI, and the inputs a real folder holds: a folder
     without a CT, a one-slice series, a 4-D NIfTI, a series whose pixel data are cut, a series under a 240-byte
-    folder name, clutter beside the slices, a second copy of a series and a link back up the tree (a loop)."""
+    folder name, clutter beside the slices, a second copy of a series and a link back up the tree (a loop); a study as
+    a scanner exports it (scout, 5 mm axial, a 2.5 mm series with a gantry tilt, secondary captures), a study of
+    only a scout and captures, and a case failing at each later stage by an injected fault (FAULTS). Run with the
+    configs' own loader settings (DataLoader worker processes)."""
     tmp, _, _ = demo_run
     inputs = tmp_path_factory.mktemp("infer_in")
     truths = generate(inputs / "tcia", num_cases=2, shape=(128, 128, 40), seed=777, tumour_hu=400)
@@ -53,12 +75,21 @@ def inferred(demo_run, tmp_path_factory):
     shutil.copytree(truths[0]["image_dir"], inputs / "copy")  # the same instances again: one case, not two
     (Path(truths[0]["image_dir"]) / "Thumbs.db").write_bytes(b"\x00thumbnail cache")
     (inputs / "tcia" / "loop").symlink_to(inputs / "tcia")
+    scanner = write_scanner_study(inputs / "scanner" / "DICOM", SCANNER)
+    write_scanner_study(inputs / "scout_only", "SCOUT-ONLY")
+    for series in ("SE000002", "SE000003"):
+        shutil.rmtree(inputs / "scout_only" / series)
+    for case in FAULTS.values():
+        write_series(Series(shape=(64, 64, 20), patient_id=case), inputs / case)
+    faults = inputs.parent / f"{inputs.name}_faults.yaml"
+    faults.write_text(FAULTS_CONFIG)
     out = tmp_path_factory.mktemp("infer_out")
     weights = str(tmp / "run" / "model.pt")
-    result = bundle_run("inference", "--config_file", DEMO_INFERENCE, "--input_dir", str(inputs), "--output_dir",
-                        str(out), "--model_path", weights, "--num_workers", "1")  # fmt: skip
+    result = bundle_run("inference", "--config_file", configs("inference.yaml", "demo.yaml")[:-1] + f", '{faults}']",
+                        "--input_dir", str(inputs), "--output_dir", str(out), "--model_path", weights,
+                        with_faults=True)  # fmt: skip
     report = json.loads((out / "inference_report.json").read_text())
-    return truths, inputs, out, result, report
+    return truths, inputs, out, result, report, scanner
 
 
 def as_series_of(files: list[Path], dest: Path, patient: str) -> Path:
@@ -74,7 +105,7 @@ def as_series_of(files: list[Path], dest: Path, patient: str) -> Path:
 
 
 def test_inference_writes_a_dicom_seg_that_matches_the_nifti_and_references_the_ct(inferred):
-    truths, _, out, result, _ = inferred
+    truths, _, out, result, _, _ = inferred
     for truth in truths:
         case = truth["patient_id"]
         nifti = nib.load(out / case / f"{case}_seg.nii.gz")
@@ -100,7 +131,7 @@ def test_inference_writes_a_dicom_seg_that_matches_the_nifti_and_references_the_
 def test_the_inference_config_alone_runs_from_another_folder_and_equals_the_layered_demo(inferred, demo_run, tmp_path):
     """The command every zoo README shows: configs/inference.yaml ALONE (no train.yaml), the demo network's ids on
     the command line instead of demo.yaml, from a folder that is not the bundle: the same label map, every output."""
-    truths, _, out, _, _ = inferred
+    truths, _, out, _, _, _ = inferred
     tmp, _, _ = demo_run
     demo = yaml.safe_load((ROOT / "configs" / "demo.yaml").read_text())
     network_ids = [part for key in ("feature_size", "roi_size", "spacing", "sw_batch_size", "channels_last")
@@ -124,7 +155,7 @@ def test_onnxruntime_runs_the_network_on_a_cpu_and_the_reports_name_it(inferred,
     from scripts.backends import OnnxNetwork
     from scripts.weights import load_weights
 
-    truths, _, out, _, report = inferred
+    truths, _, out, _, report, _ = inferred
     tmp, _, _ = demo_run
     assert (tmp / "run" / "model.pt.onnx").is_file() and (tmp / "run" / "model.pt.onnx.json").is_file()
     eager = load_weights(SwinUNETR(in_channels=1, out_channels=2, feature_size=12), tmp / "run" / "model.pt").eval()
@@ -146,7 +177,7 @@ def test_inference_without_an_input_dir_says_what_to_pass(tmp_path):
 
 
 def test_inference_gives_the_same_answer_for_nifti_and_dicom_input(inferred):
-    truths, _, out, _, _ = inferred
+    truths, _, out, _, _, _ = inferred
     from_dicom = np.asarray(nib.load(out / truths[0]["patient_id"] / f"{truths[0]['patient_id']}_seg.nii.gz").dataobj)
     from_nifti = nib.load(out / "first_case" / "first_case_seg.nii.gz")
     np.testing.assert_array_equal(np.asarray(from_nifti.dataobj), from_dicom)
@@ -154,26 +185,61 @@ def test_inference_gives_the_same_answer_for_nifti_and_dicom_input(inferred):
 
 
 def test_each_bad_input_is_failed_or_skipped_by_name_and_the_others_are_written(inferred):
-    truths, inputs, out, result, report = inferred
+    """One case failing at each stage -- its study's record (no usable series), check, read, preprocess, collate,
+    predict, postprocess, write -- among good ones, run as users run it (DataLoader workers): each failure is in the
+    report with its stage and a reason that says what, the others are written, nothing is left of a failed case, and
+    the command ends with status 1."""
+    truths, inputs, out, result, report, _ = inferred
     skipped = {r["input"]: r["reason"] for r in report["skipped"]}
     assert "no CT series" in skipped[str(inputs / "no_ct_here")]
     cases = {c["case_id"]: c for c in report["cases"]}
     failed = {k: c for k, c in cases.items() if c["status"] == "failed"}
-    assert set(failed) == {"one_slice", "four_d", "cut_pixels"}, set(failed)
+    expected = {"one_slice", "four_d", "cut_pixels", "SCOUT-ONLY", *FAULTS.values()}
+    assert set(failed) == expected, (set(failed), result.stderr[-3000:])
     assert failed["one_slice"]["stage"] == "check" and "1 CT images, fewer than" in failed["one_slice"]["reason"]
     assert failed["four_d"]["stage"] == "check" and "3D CT" in failed["four_d"]["reason"]
     assert failed["cut_pixels"]["stage"] == "read" and "cut or damaged" in failed["cut_pixels"]["reason"]
+    scout_only = failed["SCOUT-ONLY"]
+    assert scout_only["stage"] == "check" and "no usable CT series" in scout_only["reason"]
+    assert "LOCALIZER" in scout_only["reason"] and "2 Secondary Capture Image Storage" in scout_only["reason"]
+    for stage, case in FAULTS.items():
+        assert failed[case]["stage"] == stage, (case, failed[case])
+    assert "a fault injected in preprocessing" in failed[FAULTS["preprocess"]]["reason"]
+    assert "cannot be batched" in failed[FAULTS["collate"]]["reason"]
+    assert "forward pass" in failed[FAULTS["predict"]]["reason"]
+    assert "a fault injected in post-processing" in failed[FAULTS["postprocess"]]["reason"]
+    assert "No space left on device" in failed[FAULTS["write"]]["reason"]
     done = {k for k, c in cases.items() if c["status"] == "done"}
-    assert done == {t["patient_id"] for t in truths} | {"first_case", "long_folder"}, "every other case was processed"
-    assert not (out / "cut_pixels").exists(), "a failed case leaves no outputs"
-    assert result.returncode == 1 and "3 case(s) failed" in result.stderr, result.stderr[-2000:]
-    assert "failed 3, skipped 1" in result.stdout
+    assert done == {t["patient_id"] for t in truths} | {"first_case", "long_folder", SCANNER}, "the others ran"
+    for case in ("cut_pixels", *FAULTS.values()):
+        assert not (out / case).exists(), f"{case}: a failed case leaves no outputs"
+    assert not list(out.glob(".partial-*")) and not list(out.glob(".old-*")), "no half-written folder is left"
+    assert result.returncode == 1 and f"{len(expected)} case(s) failed" in result.stderr, result.stderr[-2000:]
+    assert f"failed {len(expected)}, skipped 1" in result.stdout
+
+
+def test_a_study_as_a_scanner_exports_it_gives_its_axial_series_and_says_what_was_not_used(inferred):
+    """Scout, 5 mm axial, 2.5 mm with a -18.5 degree gantry tilt, two secondary captures, each series in its own
+    folder: the untilted axial series is segmented (its SEG references it), and the report lists the others with why."""
+    _, _, out, _, report, scanner = inferred
+    case = {c["case_id"]: c for c in report["cases"]}[SCANNER]
+    assert case["status"] == "done" and case["series"]["series_uid"] == scanner["axial"]
+    assert "the first of 2 usable series" in case["series"]["why"]
+    reasons = {a["series_uid"]: a["reason"] for a in case["alternatives"]}
+    assert reasons[scanner["scout"]] == "ImageType LOCALIZER (series_rules#exclude_image_types)"
+    assert reasons[scanner["tilted"]] == (
+        "usable, but a gantry tilt of 18.5 deg (it would be resampled onto an orthogonal grid), and the study has an "
+        "untilted series"
+    )
+    assert reasons[scanner["captures"]] == "2 Secondary Capture Image Storage object(s), not CT images"
+    seg = hd.seg.segread(out / SCANNER / f"{SCANNER}_seg.dcm")
+    assert {s for _, s, _ in seg.get_source_image_uids()} == {scanner["axial"]}
 
 
 def test_the_report_gives_each_case_its_region_its_windows_and_its_seconds_per_stage(inferred):
     """The demo-sized synthetic chest (125 mm across, lungs of ~150 ml) holds no lung a real chest would: the region
     says so and the windows cover the body crop (tests/test_region.py and bench_inference run the thorax itself)."""
-    truths, _, _, _, report = inferred
+    truths, _, _, _, report, _ = inferred
     cases = {c["case_id"]: c for c in report["cases"]}
     for truth in truths:
         case = cases[truth["patient_id"]]
@@ -188,7 +254,7 @@ def test_the_report_gives_each_case_its_region_its_windows_and_its_seconds_per_s
 
 
 def test_clutter_and_a_link_loop_do_not_change_the_cases(inferred):
-    truths, _, _, _, report = inferred
+    truths, _, _, _, report, _ = inferred
     inputs = [c["image"] for c in report["cases"]]
     assert (
         len(inputs) == len(set(inputs)) and sum(truths[0]["patient_id"] in c["case_id"] for c in report["cases"]) == 1
@@ -254,9 +320,10 @@ def test_diagonal_neighbours_are_one_component():
 
 
 def test_dicom_cases_also_get_an_rtstruct_an_sr_and_a_report(inferred):
-    truths, _, out, _, _ = inferred
+    truths, _, out, _, _, _ = inferred
     rows = list(csv.DictReader((out / "report.csv").open()))
-    assert sorted(r["case"] for r in rows) == sorted([t["patient_id"] for t in truths] + ["first_case", "long_folder"])
+    done = [t["patient_id"] for t in truths] + ["first_case", "long_folder", SCANNER]
+    assert sorted(r["case"] for r in rows) == sorted(done), "a row per case written, none for a failed one"
     for truth in truths:
         case = truth["patient_id"]
         folder = out / case

@@ -3,9 +3,13 @@
 A study holds more than the series to segment: a scout (LOCALIZER), coronal and sagittal reformats, thick and thin
 reconstructions, and in radiotherapy 4D-CT phases, their average and MIP (``DERIVED\\SECONDARY\\AXIAL``, which
 treatment planning contours on). :func:`choose_series` takes, among the series that pass :class:`SeriesRules`, an
-ORIGINAL series first (a ``SECONDARY`` one only when it is the best the study has; the choice then says so), then the
-thinnest, then the one with most slices, then the lowest series number; every other series gets the reason it was
-not chosen, for the report.
+ORIGINAL series first (a ``SECONDARY`` one only when it is the best the study has; the choice then says so), then an
+untilted one (a gantry tilt is resampled onto an orthogonal grid, by interpolation), then the thinnest, then the one
+with most slices, then the lowest series number; every other series gets the reason it was not chosen, for the
+report, and the chosen one says why (``why``).
+
+A gantry-tilted acquisition is axial: :func:`slice_geometry` tells it from an oblique reformat by its headers and
+names the angle either way (``geometry``).
 
 A series is described (:func:`describe_series`) from its instances' headers in a form both sources give: SOP Class,
 ImageType, ImageOrientationPatient and ImagePositionPatient of each instance (:class:`InstanceHeader`).
@@ -25,6 +29,8 @@ from pydicom.uid import UID
 from scripts.dicom.ct import CT_IMAGE_STORAGE, ENHANCED_CT_STORAGE
 
 AXIAL_COS = math.cos(math.radians(10))  # a slice normal within 10 degrees of the body axis is axial
+#: the order in which usable series are preferred, for the report
+PREFERENCE = "the rule: a preferred ImageType (ORIGINAL), untilted, the thinnest, the most slices, the lowest number"
 #: a stack whose slices step this far (degrees) or more off their normal is sheared: a gantry tilt
 MIN_TILT_DEG = 0.5
 #: scanners tilt their gantry by at most 30 degrees; a plane further off is a reformat whatever its positions say
@@ -48,11 +54,11 @@ class InstanceHeader:
 @dataclass(frozen=True)
 class SeriesRules:
     """How a study's CT series is chosen: among the series of at least ``min_slices`` classic CT images, of
-    ``orientation`` (``axial``: the slice normal within 10 degrees of the body axis; or ``any``), whose
-    SeriesDescription matches the regular expression ``description`` (if given) and whose ImageType has none of
-    ``exclude_image_types``: one whose ImageType holds one of ``prefer_image_types`` (or has no ImageType) first, then
-    the thinnest (smallest step between slice positions), then the one with most slices, then the lowest series
-    number."""
+    ``orientation`` (``axial``: the slice normal within 10 degrees of the body axis, or a gantry tilt of up to 30
+    degrees (:func:`slice_geometry`); or ``any``), whose SeriesDescription matches the regular expression
+    ``description`` (if given) and whose ImageType has none of ``exclude_image_types``: one whose ImageType holds one
+    of ``prefer_image_types`` (or has no ImageType) first, then an untilted one, then the thinnest (smallest step
+    between slice positions), then the one with most slices, then the lowest series number."""
 
     min_slices: int = 10
     orientation: str = "axial"
@@ -192,6 +198,11 @@ def choose_series(described: Sequence[Mapping], rules: SeriesRules | Mapping | N
     chosen = usable[0] if usable else None
     if chosen is not None:
         del chosen["reason"]
+        chosen["why"] = (
+            "the study's only usable series"
+            if len(usable) == 1
+            else (f"the first of {len(usable)} usable series by {PREFERENCE}")
+        )
         if rules.prefer_image_types and not _preferred(chosen, rules):
             chosen["note"] = (
                 f"ImageType {'/'.join(chosen['image_types']) or 'absent'}: the study has no "
