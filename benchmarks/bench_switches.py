@@ -33,6 +33,7 @@ SWITCH_SETS: dict[str, tuple[dict[str, str], bool]] = {
     "gradient checkpointing": ({"use_checkpoint": "true"}, False),
     "channels_last": ({"channels_last": "true"}, False),
     "amp bfloat16": ({"amp_dtype": "bfloat16"}, True),
+    "fused window attention (bf16)": ({"amp_dtype": "bfloat16", "fused_attention": "true"}, True),
     "amp off": ({"amp": "false"}, True),
     "no fused AdamW": ({"fused_optimizer": "false"}, True),
     "torch.compile": ({"compile": "true"}, False),

@@ -53,6 +53,9 @@ from scripts.files import write_json, write_text
 from scripts.labels import COLLECTION
 from scripts.summarize_trace import SECTION_PREFIX, summarize
 
+#: the device types of key_averages() rows that are the GPU's own (kernels, copies, ranges on its timeline)
+DEVICE_TYPES = ("CUDA", "HIP")
+
 ROOT = Path(__file__).resolve().parents[1]
 #: dense bf16 peak (TFLOP/s, no sparsity) by the words of torch's device name; the first entry whose words all occur
 #: in the name (case-insensitive) wins. A device not listed gets no MFU (it says so) rather than a guessed one.
@@ -120,6 +123,7 @@ GPU = Sizes(
         "throughput_defaults": 20,
         "throughput_bf16": 20,
         "throughput_cache_gpu": 20,
+        "throughput_fused_attention": 20,
         "fullct_inference": 25,
         "throughput_best": 110,
         "fullct_inference_compile": 70,
@@ -619,11 +623,20 @@ def compare_with_key_averages(summary: dict[str, Any], rows: list[dict[str, Any]
     plus 5 us per instance for rounding); a kernel-timed one's total (first kernel start to last kernel end of each
     instance) at least the kernel time key_averages gives the range (the kernels its own thread launched in it: on
     one stream, kernels inside a span cannot take longer than the span). And the same number of kernels (copies and
-    memsets are not kernels to either)."""
-    by_name = {r["name"]: r for r in rows}
+    memsets are not kernels to either).
+
+    On CUDA and ROCm ``key_averages()`` holds two rows per range: the CPU row (``device_type`` CPU: the range's CPU
+    time, and the kernels launched in it) and the device row (the range as the GPU timeline shows it, no CPU time):
+    CPU time is read from the first, a kernel-timed section from the second."""
+    empty = {"count": 0, "cpu_time_total_us": 0.0, "device_time_total_us": 0.0}
+    host = {r["name"]: r for r in rows if r.get("device_type", "CPU") == "CPU"}
+    device: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        if r.get("device_type", "CPU") in DEVICE_TYPES:
+            device.setdefault(r["name"], []).append(r)
     checks: list[dict[str, Any]] = []
     for name, stats in summary["sections"].items():
-        row = by_name.get(SECTION_PREFIX + name, {"count": 0, "cpu_time_total_us": 0.0, "device_time_total_us": 0.0})
+        row = host.get(SECTION_PREFIX + name, empty)
         count, total = stats["count"], stats["mean_s"] * stats["count"]
         checks.append({"what": f"{name}: instances", "summariser": count, "key_averages": row["count"],
                        "ok": count == row["count"]})  # fmt: skip
@@ -633,12 +646,18 @@ def compare_with_key_averages(summary: dict[str, Any], rows: list[dict[str, Any]
             ok = abs(total - reference) <= slack * max(reference, total)
             checks.append({"what": f"{name}: CPU seconds", "summariser": round(total, 6),
                            "key_averages": round(reference, 6), "ok": ok})  # fmt: skip
-        else:
-            reference = row["device_time_total_us"] / 1e6
+        else:  # the range as the device saw it (its rows on CUDA / HIP), else the kernels its CPU row launched
+            on_device = device.get(SECTION_PREFIX + name)
+            kernel_us = sum(r["device_time_total_us"] for r in on_device) if on_device else row["device_time_total_us"]
+            reference = kernel_us / 1e6
             checks.append({"what": f"{name}: kernel span s >= kernel s in the range", "summariser": round(total, 6),
                            "key_averages": round(reference, 6), "busy_fraction": round(reference / max(total, 1e-9), 3),
                            "ok": reference <= total * (1 + slack)})  # fmt: skip
-    kernels = sum(r["count"] for r in rows if r["device_type"] in ("CUDA", "HIP") and not _is_copy(r["name"]))
+    kernels = sum(
+        r["count"]
+        for r in rows
+        if r.get("device_type") in DEVICE_TYPES and not _is_copy(r["name"]) and not r["name"].startswith(SECTION_PREFIX)
+    )
     checks.append({"what": "kernels", "summariser": summary["kernels"], "key_averages": kernels,
                    "ok": abs(summary["kernels"] - kernels) <= rel * kernels})  # fmt: skip
     return checks
@@ -772,6 +791,7 @@ THROUGHPUT_STEPS = {
     "throughput_defaults": "bundle defaults (cache memory)",
     "throughput_bf16": "amp bfloat16",
     "throughput_cache_gpu": "cache gpu + ThreadDataLoader",
+    "throughput_fused_attention": "fused window attention (bf16)",
     "throughput_best": "best: cache gpu + bf16 + compile",
 }
 
@@ -799,6 +819,7 @@ STEPS: tuple[Step, ...] = (
     _throughput("throughput_defaults", "throughput: bundle defaults"),
     _throughput("throughput_bf16", "throughput: AMP bf16"),
     _throughput("throughput_cache_gpu", "throughput: cache gpu"),
+    _throughput("throughput_fused_attention", "throughput: fused window attention, bf16 (against the bf16 row)"),
     Step("fullct_inference", "full-CT inference, AMP", step_fullct(False), needs=("data", "network")),
     _throughput("throughput_best", "throughput: best switches (compile)"),
     Step(

@@ -128,6 +128,23 @@ def test_trace_check_fails_where_the_summariser_and_key_averages_differ():
     assert not checks["kernels"], "10 kernels against 9 (the copies are not kernels)"
 
 
+def test_the_trace_check_passes_on_the_first_h200_profile():
+    """The first GPU run's profile (tests/data/h200/: its chrome trace and key_averages(), as the kit wrote them on one
+    H200): CUDA gives two rows per range, and the check reads the CPU row's CPU time (the summariser's 0.494 s for two
+    steps) and the device row's kernel time, so every check holds where the kit reported a false disagreement."""
+    from scripts.summarize_trace import summarize
+
+    data = ROOT / "tests" / "data" / "h200"
+    summary = summarize(data / "4-chrome_trace.json.gz")
+    rows = json.loads((data / "4-key_averages.json").read_text())
+    checks = compare_with_key_averages(summary, rows)
+    assert [c for c in checks if not c["ok"]] == []
+    by_what = {c["what"]: c for c in checks}
+    assert by_what["step: CPU seconds"]["key_averages"] == pytest.approx(0.494288, abs=1e-6)
+    assert by_what["forward: kernel span s >= kernel s in the range"]["key_averages"] == pytest.approx(0.2394, abs=1e-4)
+    assert by_what["kernels"]["summariser"] == 4526
+
+
 def test_only_runs_the_named_steps_and_the_steps_they_need():
     assert [s.name for s in select(STEPS, "resume")] == ["environment", "data", "train", "resume"]
     assert [s.name for s in select(STEPS, "summariser,torchrun")] == [
