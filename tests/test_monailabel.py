@@ -21,6 +21,12 @@ weights that round wrote. The network is SwinUNETR at feature size 12 on 64 x 64
 tests/test_model_zoo.py and the demo run it), set in the copy's configs; everything else is the configs as shipped.
 The program MONAI Label runs in is at the bottom of this file (``python tests/test_monailabel.py WORK_DIR``), with the
 two workarounds MONAI Label 0.8.5 needs beside this bundle's pinned packages.
+
+And the README's install lines (its "MONAI Label / 3D Slicer" section; requirements-monailabel.txt goes in with
+``--no-deps``, so nothing it does not name comes along): every module MONAI Label's command, server and app and
+pydicom-seg import at start-up comes from a package they install (from the README and the requirement files alone, no
+MONAI Label needed); and, where MONAI Label is installed, `monailabel apps --download` and those imports work in a
+process where nothing else can be imported (``python tests/test_monailabel.py --start-up-imports WORK_DIR``).
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -48,7 +56,7 @@ CANNOT_IMPORT = 77  # exit status of the MONAI Label program when monailabel can
 # the copy's settings: a network small enough for a CPU test (feature size 12 needs windows of 64 voxels in plane, as
 # the demo's 64 x 64 x 32: at 32 x 32 x 32 the bottleneck is one voxel and InstanceNorm fails), on the demo's grid
 SMALL = {"feature_size": 12, "roi_size": [64, 64, 32], "spacing": [2.0, 2.0, 3.0], "sw_batch_size": 2}
-SMALL_TRAINING = {"num_samples": 1, "val_interval": 1, "num_workers": 0, "cache": "none", "warmup_epochs": 0,
+SMALL_TRAINING = {"val_interval": 1, "num_workers": 0, "cache": "none", "warmup_epochs": 0,
                   "gpu_monitor": False}  # fmt: skip
 # the phantom's voxels (mm), also the network grid of the region test: coarse, so the test takes seconds
 PHANTOM_GRID = [4.0, 4.0, 6.0]
@@ -145,10 +153,11 @@ def test_the_switches_read_any_device_form(config, device):
         assert parser.get_parsed_content("flag#fused_optimizer") is on_cuda
 
 
-def monai_label_training_overrides(data: list[dict], weights: Path, max_epochs: int = 1) -> dict:
+def monai_label_training_overrides(data: list[dict], weights: Path, max_epochs: int = 1, num_samples: int = 1) -> dict:
     """What MONAI Label 0.8.5's BundleTrainTask passes to ``monai.bundle.run`` with configs/train.json: its cases
-    (``image`` and ``label`` only), the device as a string, the epochs, and ``train#handlers`` as it reads it from the
-    config unparsed, a CheckpointLoader of the served weights inserted first (``_load_checkpoint``)."""
+    (``image`` and ``label`` only), the device as a string, the epochs, ``displayable_configs`` with the request's
+    values (``num_samples``), and ``train#handlers`` as it reads it from the config unparsed, a CheckpointLoader of the
+    served weights inserted first (``_load_checkpoint``)."""
     from monai.bundle import ConfigParser
 
     parser = ConfigParser()
@@ -159,7 +168,8 @@ def monai_label_training_overrides(data: list[dict], weights: Path, max_epochs: 
                             "load_dict": {"model": "$@network"}, "strict": False})  # fmt: skip
     cases = [{"image": d["image"], "label": d["label"]} for d in data]
     return {"train#trainer#max_epochs": max_epochs, "train#dataset#data": cases[:-1], "device": "cpu",
-            "train#handlers": handlers, "validate#dataset#data": cases[-1:]}  # fmt: skip
+            "train#handlers": handlers, "validate#dataset#data": cases[-1:],
+            "displayable_configs": {"num_samples": num_samples}}  # fmt: skip
 
 
 def test_training_given_its_cases_prepares_nothing_and_writes_the_served_weights(tiny_data, tmp_path):
@@ -198,6 +208,131 @@ def test_training_given_its_cases_prepares_nothing_and_writes_the_served_weights
     assert hashlib.sha256(served.read_bytes()).hexdigest() != before, "the best weights replace the served ones"
     assert json.loads(served.with_suffix(".json").read_text())["labels"] == ["GTV-1"]
     assert (tmp_path / "run" / "checkpoints" / "latest.pt").is_file()
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# the README's install lines against what MONAI Label imports
+# What MONAI Label 0.8.5 imports when it starts -- its command (monailabel.main: `monailabel apps`, `start_server`;
+# uvicorn brings click, and h11 once it serves), its server (monailabel.app), its datastores (a folder, DICOMweb), the
+# monaibundle app -- and what pydicom-seg 0.4.1 imports (jsonschema, SimpleITK): the top-level module, and the
+# distributions that must be installed for it. All of those requirements.txt does not bring, and the packages
+# monailabel and pydicom-seg import directly from it. Found by importing them with nothing else importable
+# (test_monai_label_starts_with_only_what_the_readme_installs keeps the list complete).
+START_UP_IMPORTS = {
+    "monailabel": "monailabel", "click": "click", "uvicorn": "uvicorn", "h11": "h11", "fastapi": "fastapi",
+    "starlette": "starlette", "anyio": "anyio", "annotated_doc": "annotated-doc", "opentelemetry": "opentelemetry-api",
+    "python_multipart": "python-multipart", "requests_toolbelt": "requests-toolbelt", "jwt": "PyJWT",
+    "passlib": "passlib", "pydantic": "pydantic", "pydantic_core": "pydantic-core",
+    "pydantic_settings": "pydantic-settings", "annotated_types": "annotated-types",
+    "typing_inspection": "typing-inspection", "dotenv": "python-dotenv", "schedule": "schedule",
+    "timeloop": "timeloop", "watchdog": "watchdog", "psutil": "psutil", "expiring_dict": "expiring-dict",
+    "sortedcontainers": "sortedcontainers", "shapely": "shapely", "nrrd": "pynrrd", "girder_client": "girder-client",
+    "diskcache": "diskcache", "cachetools": "cachetools", "google.auth": "google-auth", "rsa": "rsa",
+    "pyasn1": "pyasn1", "pyasn1_modules": "pyasn1-modules", "itk": ("itk-core", "itk-io"), "itkConfig": "itk-core",
+    "pydicom_seg": "pydicom-seg", "SimpleITK": "simpleitk", "jsonschema": "jsonschema",
+    "jsonschema_specifications": "jsonschema-specifications", "referencing": "referencing", "rpds": "rpds-py",
+    "attr": "attrs", "attrs": "attrs", "torchvision": "torchvision",
+    # from requirements.txt (with its dependencies: typing_extensions comes with torch)
+    "numpy": "numpy", "torch": "torch", "monai": "monai", "pydicom": "pydicom", "dicomweb_client": "dicomweb-client",
+    "requests": "requests", "PIL": "pillow", "tqdm": "tqdm", "yaml": "pyyaml", "typing_extensions": "typing-extensions",
+}  # fmt: skip
+
+
+def canonical(name: str) -> str:
+    """A distribution's name as pip compares them (PEP 503)."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def readme_install_commands(root: Path = ROOT) -> list[list[str]]:
+    """The arguments of every ``pip install`` in the README's "MONAI Label / 3D Slicer" section (its bash blocks)."""
+    text = (root / "README.md").read_text()
+    section = text.split("\n## MONAI Label / 3D Slicer\n", 1)[1].split("\n## ", 1)[0]
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", section, re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            words = shlex.split(line, comments=True)
+            if words[:2] == ["pip", "install"]:
+                commands.append(words[2:])
+    return commands
+
+
+def requirement_names(path: Path) -> list[str]:
+    """The requirements a requirements file names (``-r`` followed), without versions or markers."""
+    from packaging.requirements import Requirement
+
+    names = []
+    for line in path.read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line.startswith(("-r ", "--requirement ")):
+            names += requirement_names(path.parent / line.split()[1])
+        elif line and not line.startswith("-"):
+            names.append(str(Requirement(line).name) + "".join(f"[{e}]" for e in Requirement(line).extras))
+    return names
+
+
+def with_dependencies(names: list[str]) -> set[str]:
+    """``names`` and, for those installed here, what they depend on (markers and extras as pip evaluates them),
+    recursively: what ``pip install`` of them brings."""
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    from packaging.requirements import Requirement
+
+    brought, todo = set(), [Requirement(n) for n in names]
+    while todo:
+        requirement = todo.pop()
+        key = (canonical(requirement.name), tuple(sorted(requirement.extras)))
+        if key in brought:
+            continue
+        brought.add(key)
+        try:
+            requires = distribution(requirement.name).requires or []
+        except PackageNotFoundError:
+            continue
+        for dependency in map(Requirement, requires):
+            if dependency.marker is None or any(dependency.marker.evaluate({"extra": e})
+                                                for e in (*requirement.extras, "")):  # fmt: skip
+                todo.append(dependency)
+    return {name for name, _ in brought}
+
+
+def installed_by(commands: list[list[str]], root: Path = ROOT) -> set[str]:
+    """The distributions ``commands`` install: what a ``--no-deps`` command names, and what the others name with their
+    dependencies."""
+    alone, with_deps = [], []
+    for args in commands:
+        names, words = [], iter(args)
+        for word in words:
+            if word in ("-r", "--requirement"):
+                names += requirement_names(root / next(words))
+            elif word in ("-i", "--index-url", "--extra-index-url", "-c", "--constraint", "-f", "--find-links"):
+                next(words)
+            elif not word.startswith("-"):
+                names.append(word)
+        (alone if "--no-deps" in args else with_deps).extend(names)
+    from packaging.requirements import Requirement
+
+    return {canonical(Requirement(n).name) for n in alone} | with_dependencies(with_deps)
+
+
+def test_the_readme_install_lines_bring_every_module_monai_label_imports_at_start_up():
+    """Each module of START_UP_IMPORTS comes from a package the README's MONAI Label install lines install:
+    requirements-monailabel.txt names it (installed with --no-deps: nothing else comes), or requirements.txt brings it
+    (installed with its dependencies). Where a module is installed here, the table's distribution is the one
+    importlib.metadata names for it. No install, no MONAI Label needed."""
+    from importlib.metadata import packages_distributions
+
+    commands = readme_install_commands()
+    assert ["--no-deps", "-r", "requirements-monailabel.txt"] in commands, commands
+    brought = installed_by(commands)
+    here = packages_distributions()
+    missing = []
+    for module, distributions in START_UP_IMPORTS.items():
+        distributions = (distributions,) if isinstance(distributions, str) else distributions
+        top = module.split(".")[0]  # google is a namespace: google.auth is google-auth's, google.protobuf protobuf's
+        if top in here and ("." not in module or importlib.util.find_spec(module) is not None):
+            assert {canonical(d) for d in distributions} <= {canonical(d) for d in here[top]}, module
+        missing += [f"{module} ({d})" for d in distributions if canonical(d) not in brought]
+    assert not missing, f"imported by MONAI Label at start-up, not installed by the README's lines: {missing}"
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -285,6 +420,24 @@ def test_training_from_monai_label_writes_the_weights_it_then_serves(monai_label
     assert json.loads((bundle / "models" / "model.json").read_text())["labels"] == ["GTV-1"]
 
 
+@needs_monailabel
+def test_monai_label_starts_with_only_what_the_readme_installs(tmp_path):
+    """In a process where only the packages the README's MONAI Label lines install can be imported (everything else
+    installed here, requirements-dev.txt's, hidden), `monailabel apps --download` writes the app, and MONAI Label's
+    server, datastores, monaibundle app and pydicom-seg import; every module they import that requirements.txt does not
+    bring is in START_UP_IMPORTS."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run([sys.executable, __file__, "--start-up-imports", str(tmp_path)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    assert (tmp_path / "apps" / "monaibundle" / "main.py").is_file()
+    imported = json.loads((tmp_path / "imports.json").read_text())
+    requirements = with_dependencies(["torch", *requirement_names(ROOT / "requirements.txt")])
+    beyond = {module: dists for module, dists in imported.items() if not {canonical(d) for d in dists} & requirements}
+    assert "click" in beyond and "jsonschema" in beyond, beyond
+    assert set(beyond) <= set(START_UP_IMPORTS), f"add to START_UP_IMPORTS: {set(beyond) - set(START_UP_IMPORTS)}"
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # The MONAI Label program: python tests/test_monailabel.py WORK_DIR (WORK_DIR holds studies/ and request.json)
 def monai_label_workarounds() -> None:
@@ -368,8 +521,9 @@ def run_monai_label(work: Path) -> int:
     weights = bundle / "models" / "model.pt"
     before = hashlib.sha256(weights.read_bytes()).hexdigest()
     start = time.perf_counter()
+    # num_samples as 3D Slicer's Options -> Train sends it (configs/train.yaml's displayable_configs): one patch
     results["train"] = app.train({"model": NAME, "max_epochs": 1, "val_split": 0.5, "device": "cpu",
-                                  "multi_gpu": False})  # fmt: skip
+                                  "multi_gpu": False, "num_samples": 1})  # fmt: skip
     seconds["train"] = round(time.perf_counter() - start, 1)
     infer("after_training", request["nifti"])
     served = app._infers[NAME]._networks["cpu"][0].state_dict()  # the network MONAI Label ran just now
@@ -381,5 +535,73 @@ def run_monai_label(work: Path) -> int:
     return 0
 
 
+def import_only(distributions: set[str]) -> None:
+    """From now on only ``distributions`` (canonical names) and the standard library can be imported, as in an
+    environment where nothing else is installed: other distributions' modules are not found, not listed by
+    ``pkgutil`` (MONAI imports every submodule it lists: monai.deploy is monai-deploy-app-sdk's) and not in
+    ``importlib.metadata``. Modules already imported stay (this file's: numpy, torch and pytest, which MONAI Label does
+    not import)."""
+    import pkgutil
+    from importlib.machinery import PathFinder
+    from importlib.metadata import distributions as installed
+
+    owners: dict[str, set[str]] = {}  # top-level module, and package.module -> the distributions with files in it
+    for dist in installed():
+        name = canonical(dist.metadata["Name"] or "")
+        for line in (dist.read_text("RECORD") or "").splitlines():  # the RECORD's text: dist.files is 30 s here
+            parts = line.split(",", 1)[0].split("/")
+            if parts[0].endswith((".dist-info", ".data", "..")) or not parts[-1].endswith((".py", ".so")):
+                continue
+            owners.setdefault(parts[0].split(".")[0], set()).add(name)
+            if len(parts) > 1 and not parts[1].startswith("__init__."):
+                owners.setdefault(f"{parts[0]}.{parts[1].split('.')[0]}", set()).add(name)
+    hidden = {module for module, names in owners.items() if not names & distributions}
+
+    def is_hidden(name: str) -> bool:
+        parts = name.split(".")
+        return any(".".join(parts[:i]) in hidden for i in range(1, len(parts) + 1))
+
+    class Finder(PathFinder):
+        @classmethod
+        def find_spec(cls, name, path=None, target=None):
+            return None if is_hidden(name) else super().find_spec(name, path, target)
+
+        @classmethod
+        def find_distributions(cls, *args, **kwargs):
+            for dist in super().find_distributions(*args, **kwargs):
+                if canonical(dist.metadata["Name"] or "") in distributions:
+                    yield dist
+
+    sys.meta_path[:] = [Finder if finder is PathFinder else finder for finder in sys.meta_path]
+    iter_modules = pkgutil.iter_modules
+    pkgutil.iter_modules = lambda path=None, prefix="": (m for m in iter_modules(path, prefix) if not is_hidden(m.name))
+
+
+def start_up_imports(work: Path) -> int:
+    """`monailabel apps --download` and the imports of MONAI Label's server, datastores, monaibundle app and
+    pydicom-seg with only the README's install set importable; the top-level modules they imported, with their
+    distributions, to WORK_DIR/imports.json."""
+    from importlib.metadata import packages_distributions
+
+    import_only(installed_by(readme_install_commands()))
+    monai_label_workarounds()
+    before = set(sys.modules)
+    from monailabel.main import Main
+
+    Main().action_apps(argparse.Namespace(download=True, name="monaibundle", output=str(work / "apps"), prefix=None))
+    # the server that start_server runs, the datastores of --studies http://.../dicom-web and of a folder, DICOM SEG
+    for module in ("monailabel.app", "monailabel.datastore.dicom", "monailabel.datastore.local", "pydicom_seg"):
+        importlib.import_module(module)
+
+    spec = importlib.util.spec_from_file_location("monaibundle_app", work / "apps" / "monaibundle" / "main.py")
+    spec.loader.exec_module(importlib.util.module_from_spec(spec))
+    names = packages_distributions()
+    modules = {name.split(".")[0] for name in set(sys.modules) - before} - set(sys.stdlib_module_names)
+    (work / "imports.json").write_text(json.dumps({m: names[m] for m in sorted(modules) if m in names}, indent=2))
+    return 0
+
+
 if __name__ == "__main__":
+    if sys.argv[1] == "--start-up-imports":
+        sys.exit(start_up_imports(Path(sys.argv[2])))
     sys.exit(run_monai_label(Path(sys.argv[1])))
