@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -150,25 +151,56 @@ def train_workflow(configs_: list[str], demo_tmp: Path, output_dir: Path, workfl
 @pytest.fixture(scope="session")
 def demo_run(tmp_path_factory, root):
     """The demo as a user runs it from the bundle root (10 cases), only its folders moved to a temporary place and
-    the first ``DEMO_TEST_EPOCHS`` epochs of a ``DEMO_SCHEDULE_EPOCHS``-epoch schedule. Trained once per test session:
-    under pytest-xdist the first worker that needs it trains it in the session's shared folder while a file lock keeps
-    the other waiting, then both read it."""
-    from filelock import FileLock
-
+    the first ``DEMO_TEST_EPOCHS`` epochs of a ``DEMO_SCHEDULE_EPOCHS``-epoch schedule. Trained once per test session
+    in the session's shared folder, under a file lock: by the controller from the start when the whole suite runs
+    (:func:`pytest_configure`), else by the first worker that needs it while the other waits; then each reads it."""
     base = tmp_path_factory.getbasetemp()
     shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    kept = json.loads(train_demo(shared).read_text())
+    result = subprocess.CompletedProcess(kept["args"], kept["returncode"], kept["stdout"], kept["stderr"])
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return shared / "demo", result, kept["before"]
+
+
+_DEMO_TRAINING: list[subprocess.Popen] = []  # the controller's demo training, ended with the session if still running
+
+
+def train_demo(shared: Path) -> Path:
+    """``shared/demo.json``, the record of the demo trained into ``shared/demo`` (trained here unless another process
+    of this session has done it or is doing it: the lock waits for it)."""
+    from filelock import FileLock
+
     tmp, record = shared / "demo", shared / "demo.json"
     with FileLock(str(shared / "demo.lock")):
         if not record.exists():
-            model_zoo_weights = root / "models" / "model.pt"
+            model_zoo_weights = ROOT / "models" / "model.pt"
             before = model_zoo_weights.stat().st_mtime_ns if model_zoo_weights.exists() else None
             schedule = {"lr_scheduler#t_total": f"${DEMO_SCHEDULE_EPOCHS} * len(@train#dataloader)"}
             args = demo_args(tmp, shrink=False, config_file="['configs/train.yaml','configs/demo.yaml']",
                              max_epochs=DEMO_TEST_EPOCHS, **schedule)  # fmt: skip
-            done = bundle_run(*args, cwd=root)
-            record.write_text(json.dumps({"args": done.args, "returncode": done.returncode, "stdout": done.stdout,
-                                          "stderr": done.stderr, "before": before}))  # fmt: skip
-    kept = json.loads(record.read_text())
-    result = subprocess.CompletedProcess(kept["args"], kept["returncode"], kept["stdout"], kept["stderr"])
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return tmp, result, kept["before"]
+            command = [sys.executable, "-m", "monai.bundle", "run", *args]
+            process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            _DEMO_TRAINING.append(process)
+            stdout, stderr = process.communicate(timeout=900)
+            record.write_text(json.dumps({"args": command, "returncode": process.returncode, "stdout": stdout,
+                                          "stderr": stderr, "before": before}))  # fmt: skip
+    return record
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_configure(config) -> None:
+    """The whole suite on pytest-xdist's workers: the controller, idle while they run, trains the demo from the start
+    (in a thread; the training is its own process) instead of the first worker that needs it, while the other worker
+    waits on its lock. A run of chosen files or tests trains it when a test first asks."""
+    whole = config.args_source == pytest.Config.ArgsSource.TESTPATHS and not config.option.keyword
+    workers = getattr(config.option, "numprocesses", None)
+    if hasattr(config, "workerinput") or not whole or not workers or config.option.markexpr:
+        return
+    shared = config._tmp_path_factory.getbasetemp()
+    threading.Thread(target=train_demo, args=(shared,), name="demo training", daemon=True).start()
+
+
+def pytest_unconfigure(config) -> None:
+    for process in _DEMO_TRAINING:
+        if process.poll() is None:
+            process.kill()

@@ -33,12 +33,13 @@ def test_benchmark_reports_the_defaults(tiny_data, tmp_path):
 
 def test_every_cpu_switch_flipped_still_trains(tiny_data, tmp_path):
     flipped = {"cache": "disk", "thread_loader": "true", "use_checkpoint": "true", "use_v2": "true",
-               "channels_last": "true", "compile": "true", "compile_backend": "eager", "cpu_threads": 2,
-               "cache_dir": tmp_path / "cache", "num_samples": 2}  # fmt: skip
+               "channels_last": "true", "fused_attention": "true", "compile": "true", "compile_backend": "eager",
+               "cpu_threads": 2, "cache_dir": tmp_path / "cache", "num_samples": 2}  # fmt: skip
     report, _ = benchmark(tiny_data, tmp_path, **flipped)
     switches = report["switches"]
     assert switches["loader"] == "ThreadDataLoader" and switches["cache"] == "disk"
     assert switches["use_checkpoint"] and switches["use_v2"] and switches["channels_last"] and switches["compile"]
+    assert switches["fused_attention"]
     assert report["device"]["settings"]["torch.num_threads"] == {"value": 2, "source": "config"}
     # PersistentDataset writes a volume when first loaded: at least the 3 loaded steps, at most the training list
     training = json.loads((tiny_data / "prepared" / "datalist.json").read_text())["training"]
