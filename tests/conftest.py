@@ -5,10 +5,13 @@ model zoo and SLURM jobs run them; the demo alone runs from the bundle root with
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -72,13 +75,26 @@ def bundle_run(
     ``--bundle_root`` is added). ``with_faults``: the configs may name ``faults.<name>`` (tests/faults.py)."""
     command = [sys.executable, "-m", "monai.bundle", "run", *args]
     if cwd is None:
-        cwd = ROOT.parent
+        cwd = foreign_folder()
         command += ["--bundle_root", str(ROOT)]
     env = None
     if with_faults:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "tests"), str(ROOT),
                                                                          os.environ.get("PYTHONPATH")]))}  # fmt: skip
     return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def foreign_folder() -> Path:
+    """An empty folder that is not the bundle, made once per process (at import, before any test changes TMPDIR):
+    bundle runs start there. Not the bundle's parent folder, whose contents no test controls (a folder named like a
+    module there, e.g. ``dl``, is imported first by ``python -m`` and broke every run of a clone under a cluttered
+    /tmp)."""
+    _FOREIGN.mkdir(exist_ok=True)
+    return _FOREIGN
+
+
+_FOREIGN = Path(tempfile.mkdtemp(prefix="not-the-bundle-"))
+atexit.register(shutil.rmtree, _FOREIGN, ignore_errors=True)
 
 
 def tiny_dataset(tmp: Path, num_cases: int = TINY_CASES) -> Path:
