@@ -56,7 +56,7 @@ from pydicom.uid import UID
 from scripts.dicom.case import LABEL_SOURCES
 from scripts.dicom.common import RTSTRUCT_STORAGE, SEG_STORAGE
 from scripts.dicom.ct import CT_IMAGE_STORAGE, DICOMDIR_STORAGE, ENHANCED_CT_STORAGE
-from scripts.dicom.series_rules import InstanceHeader, SeriesRules, choose_series, describe_series
+from scripts.dicom.series_rules import InstanceHeader, SeriesRules, choose_series, describe_series, gantry_tilt_of
 from scripts.files import safe_name, unique_name, write_text
 from scripts.labels import matching
 from tqdm import tqdm
@@ -168,7 +168,7 @@ def _summary(ds: pydicom.Dataset) -> dict:
             image_type=_texts(ds.get("ImageType")),
             orientation=_floats(ds.get("ImageOrientationPatient")),
             position=_floats(ds.get("ImagePositionPatient")),
-            gantry_tilt=_float(ds.get("GantryDetectorTilt")),
+            gantry_tilt=gantry_tilt_of(ds.get("GantryDetectorTilt")),
         )
     elif kind == "seg":
         record.update(
@@ -217,12 +217,6 @@ def _texts(value) -> list[str]:
         str(v).strip().upper()
         for v in (value if isinstance(value, Sequence) and not isinstance(value, str) else [value])
     ]
-
-
-def _float(value) -> float | None:
-    """One number, or None when absent, empty or not a number."""
-    found = _floats([value]) if value not in (None, "") else []
-    return found[0] if found else None
 
 
 def _floats(value) -> list[float]:
@@ -648,18 +642,15 @@ class DicomIndex:
     def _other_series(self) -> dict[tuple[str, str], list[dict]]:
         """Per (patient, study): the series of objects that are not CT images (a scanner's secondary captures, a
         dose report), each with why it is not the case's CT -- for the report's list of what was not used."""
-        found: dict[tuple[str, str, str], Counter] = defaultdict(Counter)
-        for h in self.headers.values():
-            if h["kind"] == "other" and h.get("study"):
-                found[(h.get("patient", ""), h["study"], h.get("series", ""))][(h.get("number", ""), h.get(
-                    "description", ""), h.get("modality", ""), h["what"])] += 1  # fmt: skip
+        fields = ("patient", "study", "series", "number", "description", "modality", "what")
+        others = (h for h in self.headers.values() if h["kind"] == "other" and h.get("study"))
+        counts = Counter(tuple(h.get(f, "") for f in fields) for h in others)
         listed: dict[tuple[str, str], list[dict]] = defaultdict(list)
-        for (patient, study, uid), kinds in sorted(found.items()):
-            for (number, description, modality, what), count in sorted(kinds.items()):
-                listed[(patient, study)].append(
-                    {"series_uid": uid, "modality": modality, "number": number, "description": description,
-                     "images": 0, "objects": count, "reason": f"{count} {what} object(s), not CT images"}
-                )  # fmt: skip
+        for (patient, study, uid, number, description, modality, what), count in sorted(counts.items()):
+            listed[(patient, study)].append(
+                {"series_uid": uid, "modality": modality, "number": number, "description": description,
+                 "images": 0, "objects": count, "reason": f"{count} {what} object(s), not CT images"}
+            )  # fmt: skip
         return listed
 
     def _name_studies(self, records: list[dict]) -> None:

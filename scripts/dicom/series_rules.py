@@ -51,6 +51,15 @@ class InstanceHeader:
     gantry_tilt: float | None = None  # GantryDetectorTilt (degrees), where the scanner wrote it
 
 
+def gantry_tilt_of(value: Any) -> float | None:
+    """GantryDetectorTilt (degrees) as a number, from a header (pydicom's DS or DICOM JSON's value); None when it is
+    absent, empty or not a number."""
+    try:
+        return None if value is None or str(value).strip() == "" else float(value)
+    except (TypeError, ValueError):
+        return None
+
+
 @dataclass(frozen=True)
 class SeriesRules:
     """How a study's CT series is chosen: among the series of at least ``min_slices`` classic CT images, of
@@ -139,10 +148,9 @@ def slice_geometry(
     off_axis = math.degrees(math.acos(min(1.0, abs(float(normal[axis])))))
     points = np.asarray(positions, float).reshape(-1, 3)
     along = points @ normal
-    order = np.argsort(along, kind="stable")
     gaps = np.diff(np.unique(np.round(along, 3)))
     found: dict[str, Any] = {"spacing_mm": round(float(statistics.median(gaps)), 3) if len(gaps) else None}
-    step = points[order[-1]] - points[order[0]] if len(points) > 1 else np.zeros(3)
+    step = points[along.argmax()] - points[along.argmin()] if len(points) > 1 else np.zeros(3)  # first to last
     length = float(np.linalg.norm(step))
     shear = math.degrees(math.acos(min(1.0, abs(float(step @ normal)) / length))) if length > 0 else 0.0
     names = ("sagittal", "coronal", "axial")
@@ -201,7 +209,7 @@ def choose_series(described: Sequence[Mapping], rules: SeriesRules | Mapping | N
         chosen["why"] = (
             "the study's only usable series"
             if len(usable) == 1
-            else (f"the first of {len(usable)} usable series by {PREFERENCE}")
+            else f"the first of {len(usable)} usable series by {PREFERENCE}"
         )
         if rules.prefer_image_types and not _preferred(chosen, rules):
             chosen["note"] = (

@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl
 
-from scripts.dicom.series_rules import InstanceHeader, SeriesRules, choose_series
-from scripts.dicom.series_rules import describe_series as describe_rules_series
+import scripts.dicom.series_rules
+from scripts.dicom.series_rules import InstanceHeader, SeriesRules, choose_series, gantry_tilt_of
 from scripts.dicomweb.client import DicomWeb, DicomWebError
 from scripts.dicomweb.dicomjson import first, values
 from scripts.files import safe_name, unique_name
@@ -42,20 +42,12 @@ def describe_series(series: Mapping, instances: Sequence[Mapping] | None) -> dic
                 tuple(str(v) for v in values(i, "ImageType")),
                 tuple(float(v) for v in values(i, "ImageOrientationPatient")),
                 tuple(float(v) for v in values(i, "ImagePositionPatient")),
-                _degrees(first(i, "GantryDetectorTilt")),
+                gantry_tilt_of(first(i, "GantryDetectorTilt")),
             )
             for i in instances
         ]
     )
-    return describe_rules_series(summary, headers)
-
-
-def _degrees(value: Any) -> float | None:
-    """GantryDetectorTilt as a number, None when absent or empty."""
-    try:
-        return None if value in (None, "") else float(value)
-    except (TypeError, ValueError):
-        return None
+    return scripts.dicom.series_rules.describe_series(summary, headers)
 
 
 def find_cases(
