@@ -1,20 +1,25 @@
 """Where the training data lives between epochs, and how it reaches the network: one switch each.
 
-* ``cache``: ``none`` (``Dataset``: every transform every epoch, as the original scripts did), ``memory``
-  (``CacheDataset``: the deterministic transforms run once, results kept in RAM), ``disk`` (``PersistentDataset``:
-  kept as files under ``cache_dir``, shared by later runs; for data larger than RAM) or ``gpu`` (``CacheDataset``
-  whose last deterministic transform moved the volumes to the device, so the random crops and augmentation run
-  there, without metadata tracking, and nothing crosses PCIe per step).
+* ``cache``: ``auto`` (the default: ``gpu`` when the compact cache fits on the device beside training, else
+  ``memory``; :func:`choose_cache` decides and logs why), ``none`` (``Dataset``: every transform every epoch, as the
+  original scripts did), ``memory`` (``CacheDataset``: the deterministic transforms run once, results kept in RAM),
+  ``disk`` (``PersistentDataset``: kept as files under ``cache_dir``, shared by later runs; for data larger than RAM)
+  or ``gpu`` (``CacheDataset`` whose last deterministic transform moved the volumes to the device, so the random crops
+  and augmentation run there, without metadata tracking, and nothing crosses PCIe per step). Only training's cache
+  goes to the device: validation reads each case once every few epochs, so its cache stays in host memory.
 * What is cached for training (:class:`CompactForCropd`, the last step before the cache): the image in float16, the
   label in uint8 and the crop centres' candidate positions (foreground / background voxel indices), so a cached case
   is ~4x smaller than float32 tensors and the random crops do no search over the volume each epoch.
 * The loader: ``DataLoader`` with worker processes, or MONAI's ``ThreadDataLoader`` (a background thread; no
   process start-up or pickling). GPU-cached data is always loaded by a thread in the main process: CUDA tensors
-  cannot be shared with worker processes.
+  cannot be shared with worker processes. ``num_workers: auto`` (:func:`loader_workers`): on a GPU the usable CPUs
+  less one (the main process launches the GPU's kernels), on a CPU at most 4 of them less one.
 """
 
 from __future__ import annotations
 
+import logging
+import math
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from pathlib import Path
 
@@ -24,15 +29,108 @@ from monai.data import CacheDataset, DataLoader, Dataset, MetaTensor, Persistent
 from monai.engines import default_prepare_batch
 from monai.transforms import MapTransform
 from scripts.config import ConfigError, as_bool
+from scripts.cpus import usable_cpus
+
+logger = logging.getLogger(__name__)
 
 CACHE_MODES = ("none", "memory", "disk", "gpu")
+#: what one cached training voxel costs (CompactForCropd: float16 image + uint8 label), and a case's crop indices
+CACHED_BYTES_PER_VOXEL = 3
+CACHED_INDEX_BYTES = 2 * 100_000 * 4
+#: device memory of a training step, from the first H200 run (0.7.0): the allocator's peak was 17.5 GiB for 4 patches
+#: of 96^3 through SwinUNETR f48 under AMP. Activations grow with the patch's voxels and the network's width, so the
+#: rule is a base (weights, AdamW state, cuDNN workspaces) plus this much per 96^3 patch at feature_size 48.
+STEP_BASE_GIB = 2.0
+STEP_GIB_PER_PATCH = 4.5
+DEVICE_MARGIN = 0.1  # of the card, never planned for: the allocator's fragmentation, validation's windows
 
 
-def check_cache(cache: str) -> str:
+def check_cache(cache: str, allow_auto: bool = False) -> str:
     cache = str(cache).lower()
-    if cache not in CACHE_MODES:
-        raise ConfigError(f"cache: {cache!r} is not one of {list(CACHE_MODES)}.")
+    modes = ("auto", *CACHE_MODES) if allow_auto else CACHE_MODES
+    if cache not in modes:
+        raise ConfigError(f"cache: {cache!r} is not one of {list(modes)}.")
     return cache
+
+
+def choose_cache(
+    cache: str,
+    device: torch.device | str,
+    data: Sequence[Mapping],
+    spacing: Sequence[float],
+    roi_size: Sequence[int],
+    patches_per_step: int,
+    feature_size: int = 48,
+    memory_info: Callable[[torch.device], tuple[int, int]] | None = None,
+) -> str:
+    """Where training's cache lives this run: ``cache`` itself unless it is ``auto``, which is ``gpu`` on a CUDA/ROCm
+    device when the compact cache of ``data`` fits beside the training step, else ``memory``. Logs the choice and why.
+
+    The cache's size is an upper bound read from the images' NIfTI headers (:func:`cached_bytes`: resampled to
+    ``spacing``, before the body crop, which only shrinks it); the step's memory follows :data:`STEP_GIB_PER_PATCH`;
+    :data:`DEVICE_MARGIN` of the card stays free. ``memory_info`` (free, total bytes) is ``torch.cuda.mem_get_info``.
+    """
+    cache = check_cache(cache, allow_auto=True)
+    device = torch.device(device)
+    if cache != "auto":
+        logger.info(f"training data: cache {cache} (as set)")
+        return cache
+    if device.type != "cuda":
+        logger.info(f"training data: cache memory (cache auto on {device.type}: the data is beside the network)")
+        return "memory"
+    need, unknown = cached_bytes(data, spacing, roi_size)
+    if unknown:
+        logger.info(f"training data: cache memory (cache auto: the cache's size is unknown, {unknown})")
+        return "memory"
+    free, total = (memory_info or torch.cuda.mem_get_info)(device)
+    step = (STEP_BASE_GIB + STEP_GIB_PER_PATCH * int(patches_per_step) * math.prod(roi_size) / 96**3
+            * int(feature_size) / 48) * 2**30  # fmt: skip
+    room = free - step - DEVICE_MARGIN * total
+    fits = need <= room
+    gib = 2**30
+    logger.info(
+        f"training data: cache {'gpu' if fits else 'memory'} (cache auto: the compact cache of {len(data)} case(s), "
+        f"at most {need / gib:.1f} GiB, {'fits' if fits else 'does not fit'} {device}: {free / gib:.1f} GiB free, "
+        f"{step / gib:.1f} GiB kept for training {patches_per_step} patch(es) of {'x'.join(map(str, roi_size))} a "
+        f"step, {DEVICE_MARGIN * total / gib:.1f} GiB margin)"
+    )
+    return "gpu" if fits else "memory"
+
+
+def cached_bytes(
+    data: Sequence[Mapping], spacing: Sequence[float], roi_size: Sequence[int], key: str = "image"
+) -> tuple[int, str | None]:
+    """An upper bound of the compact training cache of ``data`` in bytes, from each image's NIfTI header: its extent
+    in mm along each RAS axis over ``spacing``, at least ``roi_size`` (the padding), 3 bytes a voxel plus the crop
+    indices. ``(0, why)`` when an image's header cannot be read (a name and a reason; the cache then stays on the
+    host)."""
+    import nibabel as nib
+
+    total = 0
+    for item in data:
+        path = item.get(key) if isinstance(item, Mapping) else None
+        try:
+            image = nib.load(str(path))
+            affine, shape = np.asarray(image.affine, dtype=float), image.shape[:3]
+        except Exception as error:  # any file nibabel cannot read: the size stays unknown
+            return 0, f"{path}: {type(error).__name__}: {error}"
+        extent = np.zeros(3)
+        for axis in range(3):  # a voxel axis runs along the world axis it is closest to (Orientationd's RAS)
+            column = affine[:3, axis]
+            extent[int(np.argmax(np.abs(column)))] += shape[axis] * float(np.linalg.norm(column))
+        voxels = math.prod(max(math.ceil(e / float(s)), int(r)) for e, s, r in zip(extent, spacing, roi_size))
+        total += CACHED_BYTES_PER_VOXEL * voxels + CACHED_INDEX_BYTES
+    return total, None
+
+
+def loader_workers(num_workers: int | str | None, device: torch.device | str) -> int:
+    """``num_workers`` as a number: as set, or for ``auto`` (or None) the usable CPUs less one on a GPU (the main
+    process keeps a core to launch the GPU's kernels), and on a CPU at most 4 of them less one (the workers compete
+    with the network for the same cores)."""
+    if num_workers is not None and str(num_workers).lower() != "auto":
+        return int(num_workers)
+    spare = max(usable_cpus() - 1, 0)
+    return max(spare, 1) if torch.device(device).type == "cuda" else min(spare, 4)
 
 
 def make_dataset(

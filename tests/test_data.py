@@ -10,10 +10,20 @@ import numpy as np
 import pytest
 import torch
 from monai.bundle import ConfigParser
-from monai.data import CacheDataset, DataLoader, Dataset, PersistentDataset, ThreadDataLoader
+from monai.data import CacheDataset, DataLoader, Dataset, MetaTensor, PersistentDataset, ThreadDataLoader
 from monai.transforms import Compose, RandCropByPosNegLabeld
 from scripts.config import ConfigError
-from scripts.data import CompactForCropd, make_dataset, make_loader
+from scripts.data import (
+    CACHED_INDEX_BYTES,
+    STEP_BASE_GIB,
+    STEP_GIB_PER_PATCH,
+    CompactForCropd,
+    cached_bytes,
+    choose_cache,
+    loader_workers,
+    make_dataset,
+    make_loader,
+)
 from scripts.prepare import prepare
 
 ROI = [32, 32, 16]
@@ -148,3 +158,87 @@ def test_loaders():
     workers = make_loader(dataset, num_workers=2, persistent_workers="true")
     assert type(workers) is DataLoader and workers.persistent_workers
     assert not make_loader(dataset, num_workers=0).persistent_workers
+
+
+def _parser_like(parser: ConfigParser, **settings) -> ConfigParser:
+    """A fresh parser of the same config as ``parser`` with ``settings`` on top (nothing parsed carried over)."""
+    fresh = ConfigParser()
+    fresh.read_config(parser.get())  # the raw config, before any parsing
+    fresh.update(settings)
+    return fresh
+
+
+def test_the_device_pipeline_draws_the_same_crops_as_the_host_pipeline(train_config):
+    """cache gpu (here on the CPU device): plain tensors cached after EnsureTyped, crops and augmentation on them --
+    for the same seed, the very patches of the host pipeline (cache memory, MetaTensors)."""
+    draws = {}
+    for cache in ("memory", "gpu"):
+        parser = _parser_like(train_config, cache=cache, device="$torch.device('cpu')")
+        assert parser.get_parsed_content("training_cache") == cache
+        dataset = parser.get_parsed_content("train#dataset")
+        loader = parser.get_parsed_content("train#dataloader")
+        assert type(loader) is (ThreadDataLoader if cache == "gpu" else DataLoader)
+        parser.get_parsed_content("train#preprocessing").set_random_state(seed=11)
+        draws[cache] = [dataset[i] for i in range(len(dataset))] + [dataset[0]]  # the first case twice: fresh draws
+    cached = _parser_like(train_config, cache="gpu", device="$torch.device('cpu')")
+    assert not isinstance(cached.get_parsed_content("train#dataset")._cache[0]["image"], MetaTensor), "untracked"
+    for host, device in zip(draws["memory"], draws["gpu"], strict=True):
+        assert len(host) == len(device) == 8
+        for a, b in zip(host, device, strict=True):
+            assert torch.equal(torch.as_tensor(a["image"]), torch.as_tensor(b["image"]))
+            assert torch.equal(torch.as_tensor(a["label"]), torch.as_tensor(b["label"]))
+    assert not torch.equal(torch.as_tensor(draws["gpu"][0][0]["image"]), torch.as_tensor(draws["gpu"][-1][0]["image"]))
+
+
+def _fake_card(free_gib: float, total_gib: float = 80.0):
+    return lambda device: (int(free_gib * 2**30), int(total_gib * 2**30))
+
+
+def test_cache_auto_puts_the_compact_cache_on_the_device_only_when_it_fits(train_config, caplog):
+    data = train_config.get_parsed_content("train#data")
+    spacing, roi = train_config["spacing"], ROI
+    need, unknown = cached_bytes(data, spacing, roi)
+    assert unknown is None and need > 0
+    real = train_config.get_parsed_content("train#dataset")._cache
+    compact = sum(c[k].numel() * c[k].element_size() for c in real for k in ("image", "label"))
+    assert compact <= need, "the header-based size is an upper bound of what the cache holds"
+
+    cuda = torch.device("cuda", 0)
+    caplog.set_level("INFO", logger="scripts.data")
+    step_gib = STEP_BASE_GIB + STEP_GIB_PER_PATCH * 8 * np.prod(roi) / 96**3  # 8 patches at feature_size 48
+    roomy = step_gib + 0.1 * 80 + need / 2**30 + 0.01
+    assert choose_cache("auto", cuda, data, spacing, roi, 8, memory_info=_fake_card(roomy)) == "gpu"
+    assert f"the compact cache of {len(data)} case(s)" in caplog.text and "fits cuda:0" in caplog.text
+    assert choose_cache("auto", cuda, data, spacing, roi, 8, memory_info=_fake_card(roomy - 0.02)) == "memory"
+    assert "does not fit cuda:0" in caplog.text
+    bigger_patches = choose_cache("auto", cuda, data, spacing, roi, 16, memory_info=_fake_card(roomy))
+    assert bigger_patches == "memory", "more patches a step leave less room for the cache"
+
+    assert choose_cache("auto", "cpu", data, spacing, roi, 8) == "memory"
+    assert choose_cache("GPU", "cpu", data, spacing, roi, 8) == "gpu", "a setting overrides the choice"
+    missing = [{"image": "/nowhere/LUNG1-404_image.nii"}]
+    assert choose_cache("auto", cuda, missing, spacing, roi, 8, memory_info=_fake_card(1000)) == "memory"
+    assert "/nowhere/LUNG1-404_image.nii" in caplog.text
+    with pytest.raises(ConfigError, match=r"'ram' is not one of \['auto', 'none'"):
+        choose_cache("ram", cuda, data, spacing, roi, 8)
+
+
+def test_cache_size_follows_the_headers_in_mm(tmp_path):
+    """200 x 100 voxels of 0.5 mm x 40 slices of 2.5 mm, stored with the slice axis first: 100 x 50 x 100 mm, at
+    1 x 1 x 2 mm 100 x 50 x 50 voxels -- padded to the patch (64 along y)."""
+    import nibabel as nib
+
+    affine = np.zeros((4, 4))
+    affine[0, 1], affine[1, 2], affine[2, 0], affine[3, 3] = -0.5, 0.5, 2.5, 1.0  # voxel axes (z, x, y)
+    nib.save(nib.Nifti1Image(np.zeros((40, 200, 100), np.int16), affine), tmp_path / "ct.nii")
+    need, unknown = cached_bytes([{"image": str(tmp_path / "ct.nii")}], [1.0, 1.0, 2.0], [32, 64, 32])
+    assert unknown is None and need == 3 * 100 * 64 * 50 + CACHED_INDEX_BYTES
+
+
+def test_auto_workers_leave_the_main_process_a_core(monkeypatch):
+    monkeypatch.setattr("scripts.data.usable_cpus", lambda: 16)
+    assert loader_workers("auto", "cuda") == 15 and loader_workers(None, "cuda:1") == 15
+    assert loader_workers("auto", "cpu") == 4
+    assert loader_workers("6", "cuda") == 6 and loader_workers(0, "cuda") == 0, "a number is kept"
+    monkeypatch.setattr("scripts.data.usable_cpus", lambda: 1)
+    assert loader_workers("auto", "cuda") == 1 and loader_workers("auto", "cpu") == 0

@@ -39,6 +39,7 @@ def trained_epochs(output: str) -> list[int]:
 def test_demo_learns_the_synthetic_tumour(demo_run):
     _, result, _ = demo_run
     assert best_dice(result.stdout) > 0.85  # the demo's target, as shipped
+    assert re.search(r"training data: cache (memory|gpu) \(cache auto", result.stdout), "the cache's place is logged"
 
 
 def test_demo_writes_only_under_its_run_folder(demo_run, root):
