@@ -1,30 +1,44 @@
-"""Run ``configs/benchmark.yaml`` once per set of speed switches and print a markdown table of the results.
+"""Run ``configs/benchmark.yaml`` once per set of speed switches, in one process, and print a markdown table.
 
     python -m benchmarks.bench_switches --dataset_dir /data/tcia                      # train.yaml's network and data
     python -m benchmarks.bench_switches --demo true --output_dir runs/bench_demo      # the demo's network and data
+    python -m benchmarks.bench_switches --only "patches" --dataset_dir /data/tcia     # the sets whose name holds it
 
-Each set is a separate ``monai.bundle run`` (a fresh process: no warm caches or compiled graphs carried over), so
-rows are comparable. The first row is the loop of the original research-contributions / AMD scripts (no cache,
-DataLoader workers, fp16 with GradScaler, no compile); GPU-only rows are skipped on a CPU. Rows and per-set JSON go
-to ``<output_dir>/<set>/benchmark.json`` and ``<output_dir>/performance_table.md``.
+:func:`run_rows` runs the sets one after the other in this process: torch, MONAI, the CUDA context and cuDNN's
+algorithm choices are paid for once, and the training cache is built once per place (host memory, device) and handed
+to the next rows that keep the same preprocessing (only their random transforms are rebuilt: ``num_samples`` may
+differ). Nothing else carries over: every row builds its own network, optimiser and trainer, and compiled graphs are
+dropped between rows. The first row is the loop of the original research-contributions / AMD scripts (no cache,
+DataLoader workers, fp16 with GradScaler, no compile); GPU-only rows are skipped on a CPU; a row that fails (out of
+memory with 16 patches on a smaller card) is recorded and the next one runs. Each row's ``benchmark.json`` goes to
+``<output_dir>/<set>/`` and the table to ``<output_dir>/performance_table.md``.
 """
 
 from __future__ import annotations
 
+import gc
 import json
-import subprocess
+import logging
+import multiprocessing
 import sys
+import time
+import traceback
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
-#: name -> (command-line overrides, needs a GPU)
+ROOT = Path(__file__).resolve().parents[1]
+#: name -> (command-line overrides, needs a GPU). bf16 is the base of the last rows: each changes one thing against
+#: "amp bfloat16". Patches per step: the learning rate for N patches is learning_rate * sqrt(N / 4) (performance.md)
 SWITCH_SETS: dict[str, tuple[dict[str, str], bool]] = {
     "original-style loop (no cache, DataLoader, fp16)": (
-        {"cache": "none", "thread_loader": "false", "amp": "true", "amp_dtype": "float16", "fused_optimizer": "false"},
+        {"cache": "none", "num_workers": "4", "amp": "true", "amp_dtype": "float16", "fused_optimizer": "false"},
         False,
     ),
-    "bundle defaults (cache memory)": ({}, False),
+    "0.7 defaults (cache memory, 4 workers)": ({"cache": "memory", "num_workers": "4"}, False),
+    "bundle defaults (cache auto)": ({}, False),
     "cache none": ({"cache": "none"}, False),
     "cache disk": ({"cache": "disk"}, False),
     "cache gpu + ThreadDataLoader": ({"cache": "gpu"}, True),
@@ -32,79 +46,162 @@ SWITCH_SETS: dict[str, tuple[dict[str, str], bool]] = {
     "num_workers 0": ({"num_workers": "0"}, False),
     "gradient checkpointing": ({"use_checkpoint": "true"}, False),
     "channels_last": ({"channels_last": "true"}, False),
-    "amp bfloat16": ({"amp_dtype": "bfloat16"}, True),
-    "fused window attention (bf16)": ({"amp_dtype": "bfloat16", "fused_attention": "true"}, True),
     "amp off": ({"amp": "false"}, True),
     "no fused AdamW": ({"fused_optimizer": "false"}, True),
-    "torch.compile": ({"compile": "true"}, False),
-    "best: cache gpu + bf16 + compile": ({"cache": "gpu", "amp_dtype": "bfloat16", "compile": "true"}, True),
+    "torch.compile, whole network": ({"compile": "true", "compile_scope": "whole"}, False),
+    "amp bfloat16": ({"amp_dtype": "bfloat16"}, True),
+    "fused window attention (bf16)": ({"amp_dtype": "bfloat16", "fused_attention": "true"}, True),
+    "channels_last (bf16)": ({"amp_dtype": "bfloat16", "channels_last": "true"}, True),
+    "8 patches a step (bf16)": ({"amp_dtype": "bfloat16", "num_samples": "8"}, True),
+    "16 patches a step (bf16)": ({"amp_dtype": "bfloat16", "num_samples": "16"}, True),
+    "compile regional (bf16)": ({"amp_dtype": "bfloat16", "compile": "true"}, True),
 }
+#: the ids whose values decide what the training cache holds: rows agreeing on them (and on the cache's place) share it
+CACHE_IDS = ("dataset_dir", "prepared_dir", "spacing", "hu_window", "body_hu", "roi_size", "cache_rate", "labels")
+
+
+def run_rows(
+    sets: Sequence[str],
+    configs: Sequence[str | Path],
+    settings: dict[str, Any],
+    output_dir: str | Path,
+    deadline: float | None = None,
+    estimate_s: dict[str, float] | None = None,
+    progress: Callable[[list[dict[str, Any]]], None] | None = None,
+) -> list[dict[str, Any]]:
+    """Run each named set of :data:`SWITCH_SETS` on ``configs`` (benchmark.yaml last) with ``settings`` in this
+    process (see the module docstring); one record per set: ``ok`` with benchmark.json's report, ``failed`` with the
+    error, or ``skipped`` (no GPU; or ``deadline``, a ``time.monotonic()`` value, would pass before its estimate).
+    ``progress`` is given the records so far after each set."""
+    from monai.bundle import ConfigParser
+
+    if not logging.getLogger().handlers:  # the bundle's log lines (the cache's place, the trainer) in this output
+        logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(asctime)s - %(name)s - %(message)s")
+    gpu = torch.cuda.is_available()
+    shared: dict[str, Any] = {}  # cache key -> the dataset that holds it
+    records = []
+    for name in sets:
+        switches, needs_gpu = SWITCH_SETS[name]
+        record: dict[str, Any] = {"set": name, "switches": switches, "status": "ok"}
+        records.append(record)
+        if needs_gpu and not gpu:
+            record.update(status="skipped", reason="no GPU")
+        elif deadline is not None and time.monotonic() + (estimate_s or {}).get(name, 0.0) > deadline:
+            record.update(status="skipped", reason=f"budget: ~{(estimate_s or {}).get(name, 0.0):.0f} s more would "
+                          "pass the deadline")  # fmt: skip
+        if record["status"] == "skipped":
+            if progress:
+                progress(records)
+            continue
+        folder = Path(output_dir) / slug(name)
+        start = time.monotonic()
+        print(f"--- {name}", flush=True)
+        parser = ConfigParser()
+        parser.read_config([str(c) for c in configs])
+        parser.update({**settings, "output_dir": str(folder), **switches})
+        try:
+            parser.get_parsed_content("initialize")
+            parser.get_parsed_content("scripts")
+            key = _cache_key(parser)
+            if key in shared:  # the same preprocessing cached in the same place by an earlier row
+                parser["train#dataloader#dataset"] = shared[key]
+                parser["training_cache"] = json.loads(key)[0]  # decided already: not read and logged again
+                shared[key].transform = parser.get_parsed_content("train#preprocessing")  # this row's random part
+            parser.get_parsed_content("run")
+            if key and key not in shared:
+                shared[key] = parser.get_parsed_content("train#dataloader").dataset
+            record["report"] = json.loads((folder / "benchmark.json").read_text())
+        except Exception as error:  # one row's failure (out of memory, a compiler error) must not end the others
+            record.update(status="failed", error=f"{type(error).__name__}: {error}",
+                          traceback=traceback.format_exc(limit=6))  # fmt: skip
+            print(record["traceback"], flush=True)
+        finally:
+            _stop_workers()
+            del parser
+            _release()
+        record["seconds"] = round(time.monotonic() - start, 1)
+        if progress:
+            progress(records)
+    return records
+
+
+def _cache_key(parser) -> str | None:
+    """What a cached training set of this row holds and where (None: no cache to share)."""
+    place = parser.get_parsed_content("training_cache")
+    if place not in ("memory", "gpu"):
+        return None
+    return json.dumps([place, *(str(parser[i]) for i in CACHE_IDS)])
+
+
+def _stop_workers() -> None:
+    """End the row's DataLoader worker processes (the only child processes a row starts) now: the trainer stopped
+    mid-epoch, so each worker still holds the batches it prefetched, and torch's shutdown, when the loader is collected,
+    waits 5 s for each before ending it (15 s a row, measured)."""
+    for child in multiprocessing.active_children():
+        child.terminate()
+        child.join()
+
+
+def _release() -> None:
+    """Drop the last row's network, optimiser, compiled graphs and the device memory they held."""
+    gc.collect()
+    torch._dynamo.reset()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def run(
     output_dir: str = "runs/bench_switches",
     demo: bool = False,
     warmup: int = 5,
-    steps: int = 20,
+    steps: int = 30,
     only: str | None = None,
-    timeout: int = 1800,
     **overrides,
 ) -> None:
     """Benchmark every set (or those whose name contains ``only``); prints the markdown table and writes it."""
-    configs = ["configs/train.yaml"] + (["configs/demo.yaml"] if str(demo).lower() == "true" else [])
-    configs.append("configs/benchmark.yaml")
-    gpu = torch.cuda.is_available()
+    configs = [ROOT / "configs" / "train.yaml"]
+    configs += [ROOT / "configs" / "demo.yaml"] if str(demo).lower() == "true" else []
+    configs.append(ROOT / "configs" / "benchmark.yaml")
+    settings = {"bundle_root": str(ROOT), "benchmark_warmup": warmup, "benchmark_steps": steps, **overrides}
+    sets = [name for name in SWITCH_SETS if not only or only in name]
+    records = run_rows(sets, configs, settings, output_dir)
+    table = table_of(records)
     out = Path(output_dir)
-    rows = []
-    for name, (switches, needs_gpu) in SWITCH_SETS.items():
-        if (needs_gpu and not gpu) or (only and only not in name):
-            continue
-        folder = out / _slug(name)
-        settings = {"output_dir": str(folder), "benchmark_warmup": warmup, "benchmark_steps": steps}
-        settings.update(overrides)
-        settings.update(switches)
-        args = [sys.executable, "-m", "monai.bundle", "run", "--config_file", str(configs).replace('"', "'")]
-        for key, value in settings.items():
-            args += [f"--{key}", str(value)]
-        print(f"--- {name}", flush=True)
-        result = subprocess.run(args, capture_output=True, text=True, timeout=timeout)
-        line = next((x for x in result.stdout.splitlines() if x.startswith("benchmark:")), None)
-        if result.returncode != 0 or line is None:
-            print(f"failed ({result.returncode}): {result.stderr.strip().splitlines()[-1:]}", flush=True)
-            rows.append((name, None))
-            continue
-        print(line, flush=True)
-        rows.append((name, json.loads((folder / "benchmark.json").read_text())))
-    table = _table(rows)
     out.mkdir(parents=True, exist_ok=True)
     (out / "performance_table.md").write_text(table)
     print(table)
 
 
-def _table(rows: list[tuple[str, dict | None]]) -> str:
-    device = next((r["device"] for _, r in rows if r), {}) or {}
+def table_of(records: Sequence[dict[str, Any]]) -> str:
+    """The markdown table of :func:`run_rows`' records, each row against the first that ran."""
+    reports = [r["report"] for r in records if r["status"] == "ok"]
+    device = (reports[0]["device"] if reports else None) or {}
     lines = [
         f"device: {device.get('device_name')} ({device.get('backend')}), torch {device.get('torch')}, "
         f"MONAI {device.get('monai')}",
         "",
-        "| switches | ms/step (median) | p90 | patches/s | data wait | peak memory GiB | vs first row |",
-        "|---|---|---|---|---|---|---|",
+        "| switches | ms/step (median) | p90 | patches/s | data wait | GPU busy | peak memory GiB | first step s | "
+        "vs first row |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    base = next((r["result"]["patches_per_s"] for _, r in rows if r), None)
-    for name, report in rows:
-        if report is None:
-            lines.append(f"| {name} | failed | | | | | |")
+    base = reports[0]["result"]["patches_per_s"] if reports else None
+    for record in records:
+        if record["status"] != "ok":
+            why = record.get("reason") or record.get("error", "")
+            lines.append(f"| {record['set']} | {record['status']}: {why[:80]} | | | | | | | |")
             continue
-        r = report["result"]
-        speedup = f"{r['patches_per_s'] / base:.2f}x" if base else ""
+        r = record["report"]["result"]
+        busy = "n/a" if r.get("gpu_busy_fraction") is None else f"{100 * r['gpu_busy_fraction']:.1f}%"
         lines.append(
-            f"| {name} | {r['ms_per_step_median']:.0f} | {r['ms_per_step_p90']:.0f} | {r['patches_per_s']:.3f} | "
-            f"{100 * r['data_wait_fraction']:.1f}% | {r['peak_memory_gib']:.2f} | {speedup} |"
+            f"| {record['set']} | {r['ms_per_step_median']:.0f} | {r['ms_per_step_p90']:.0f} | "
+            f"{r['patches_per_s']:.3f} | {100 * r['data_wait_fraction']:.1f}% | {busy} | {r['peak_memory_gib']:.2f} | "
+            f"{r['first_step_s'] or 'n/a'} | {r['patches_per_s'] / base:.2f}x |"
         )
     return "\n".join(lines) + "\n"
 
 
-def _slug(name: str) -> str:
+def slug(name: str) -> str:
+    """A folder name for a set's name."""
     return "".join(c if c.isalnum() else "_" for c in name.lower()).strip("_")[:60]
 
 

@@ -6,6 +6,13 @@ times ``steps`` iterations and stops the trainer. For each timed step it records
 optimiser; the device is synchronised before the clock is read, so asynchronous GPU work is counted). It writes
 ``benchmark.json`` -- ms/step (median, p90), patches/s, the fraction of step time spent waiting for data, peak
 device memory (peak RSS on a CPU), the device report and the switches -- and prints one summary line.
+
+The warm-up steps are timed too and reported apart (``first_step_s``: compilation and the algorithm search happen
+there; ``warmup_s``: all of them), so a compiled run shows both its compile time and its steady state. On a GPU,
+``busy_steps`` more steps run under ``torch.profiler`` (device activity only) after the timed ones:
+``gpu_busy_fraction`` is the time during which at least one kernel or copy ran on the device over those steps' wall
+time -- what is left is the device waiting for the host (data, Python, kernel launches). The profiled steps are not
+among the timed ones.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ from __future__ import annotations
 import logging
 import resource
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +50,7 @@ class StepTimer:
         device_report: dict | None = None,
         tflop_per_patch: float | None = None,
         enabled: bool | None = None,
+        busy_steps: int = 5,
     ) -> None:
         self.path = Path(path)
         self.device = torch.device(device)
@@ -51,10 +60,16 @@ class StepTimer:
         self.device_report = device_report
         self.tflop_per_patch = tflop_per_patch
         self.enabled = is_rank0() if enabled is None else enabled  # None: rank 0 of a DDP run writes the report
+        self.busy_steps = int(busy_steps) if self.device.type == "cuda" else 0  # kernel times need a GPU
         self.wait: list[float] = []
         self.total: list[float] = []
+        self.warmup_times: list[float] = []
+        self.busy: float | None = None
         self._t0 = self._t1 = 0.0
         self._count = 0
+        self._profiler: torch.profiler.profile | None = None
+        self._profiled = 0
+        self._profile_start = 0.0
 
     def attach(self, engine: Engine) -> None:
         engine.add_event_handler(Events.GET_BATCH_STARTED, self._batch_started)
@@ -77,13 +92,31 @@ class StepTimer:
         self._sync()
         end = time.perf_counter()
         self._count += 1
+        if self._profiler is not None:  # the steps after the timed ones, profiled for the device's busy time
+            self._profiled += 1
+            if self._profiled >= self.busy_steps:
+                self._profiler.stop()
+                events = self._profiler.profiler.kineto_results.events()
+                device = [
+                    (e.start_ns(), e.start_ns() + e.duration_ns()) for e in events if e.device_type().name != "CPU"
+                ]  # kernels, copies and sets on the device's timeline
+                self.busy = busy_fraction(device, int(1e9 * (end - self._profile_start)))
+                engine.terminate()
+            return
+        if self._count <= self.warmup:
+            self.warmup_times.append(end - self._t0)
         if self._count == self.warmup and self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         if self._count > self.warmup:
             self.wait.append(self._t1 - self._t0)
             self.total.append(end - self._t0)
         if len(self.total) >= self.steps:
-            engine.terminate()
+            if not self.busy_steps:
+                engine.terminate()
+                return
+            self._profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+            self._profiler.start()
+            self._profile_start = time.perf_counter()
 
     def _completed(self, engine: Engine) -> None:
         if not self.enabled or not self.total:
@@ -95,6 +128,8 @@ class StepTimer:
             f"benchmark: {r['ms_per_step_median']:.1f} ms/step (p90 {r['ms_per_step_p90']:.1f}), "
             f"{r['patches_per_s']:.2f} patches/s per rank x {r['ranks']}, "
             f"data wait {100 * r['data_wait_fraction']:.1f}% of step time, "
+            f"GPU busy {_percent(r['gpu_busy_fraction'])}, "
+            f"first step {'n/a' if r['first_step_s'] is None else format(r['first_step_s'], '.1f')} s, "
             f"peak memory {r['peak_memory_gib']:.2f} GiB ({r['peak_memory_kind']}); {self.path}"
         )
 
@@ -115,6 +150,10 @@ class StepTimer:
             "patches_per_s": self.patches_per_step * len(total) / float(total.sum()),
             "data_wait_fraction": float(wait.sum() / total.sum()),
             "data_wait_ms_median": 1000 * float(np.median(wait)),
+            "gpu_busy_fraction": self.busy,  # None on a CPU, or when the busy steps did not run
+            "busy_steps": self._profiled,
+            "first_step_s": self.warmup_times[0] if self.warmup_times else None,
+            "warmup_s": float(sum(self.warmup_times)),
             "peak_memory_gib": round(peak, 3),
             "peak_memory_kind": kind,
         }
@@ -123,6 +162,24 @@ class StepTimer:
         if self.tflop_per_patch:
             result["model_tflop_per_s"] = result["patches_per_s"] * self.tflop_per_patch
         return {"result": result, "switches": self.switches, "device": self.device_report}
+
+
+def busy_fraction(intervals: Iterable[tuple[int, int]], wall_ns: int) -> float:
+    """The share of ``wall_ns`` covered by at least one of ``intervals`` (start, end in ns): the union, so kernels that
+    overlap on several streams count once. Sorted once, then one pass."""
+    covered, reach = 0, None
+    for start, end in sorted(intervals):
+        if reach is None or start > reach:
+            covered += end - start
+            reach = end
+        elif end > reach:
+            covered += end - reach
+            reach = end
+    return min(covered / wall_ns, 1.0) if wall_ns > 0 else 0.0
+
+
+def _percent(fraction: float | None) -> str:
+    return "n/a" if fraction is None else f"{100 * fraction:.1f}%"
 
 
 def tflop_per_patch(feature_size: int, roi_size: list[int]) -> float | None:

@@ -8,11 +8,12 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from ignite.engine import Engine
 from scripts import benchmark
-from scripts.benchmark import StepTimer, tflop_per_patch
+from scripts.benchmark import StepTimer, busy_fraction, tflop_per_patch
 
 DATA_S, STEP_S, WARMUP_STEP_S = 0.020, 0.040, 0.300
 WARMUP, STEPS = 2, 5
@@ -70,6 +71,9 @@ def test_times_match_the_injected_ones_and_leave_out_the_warmup(measured):
     assert result["ranks"] == 1 and result["global_patches_per_s"] == result["patches_per_s"]
     assert result["peak_memory_kind"] == "host RSS" and result["peak_memory_gib"] > 0
     assert "model_tflop_per_s" not in result, "no FLOP figure without a known count"
+    assert result["first_step_s"] == pytest.approx(WARMUP_STEP_S + DATA_S, abs=0.04), "compile time, apart"
+    assert result["warmup_s"] == pytest.approx(WARMUP * (WARMUP_STEP_S + DATA_S), abs=0.08)
+    assert result["gpu_busy_fraction"] is None and result["busy_steps"] == 0, "kernel time is a GPU measure"
 
 
 def test_report_carries_the_switches_and_the_device(measured):
@@ -102,3 +106,49 @@ def test_flop_count_is_known_only_for_feature_size_48():
     assert tflop_per_patch(48, [64, 64, 64]) == pytest.approx(1.9 * (64 / 96) ** 3)
     assert tflop_per_patch(24, [96, 96, 96]) is None
     assert tflop_per_patch(12, [96, 96, 96]) is None
+
+
+def test_busy_time_is_the_union_of_the_device_intervals():
+    # two overlapping kernels on two streams (0-10, 5-15), one kernel inside another (20-30, 21-22), a gap
+    assert busy_fraction([(20, 30), (0, 10), (21, 22), (5, 15)], 40) == pytest.approx(25 / 40)
+    assert busy_fraction([], 40) == 0.0 and busy_fraction([(0, 50)], 40) == 1.0
+
+
+class _FakeKineto:
+    """torch.profiler.profile as StepTimer uses it, on a machine without a GPU: device events 2 ms in every 10 ms."""
+
+    def __init__(self, activities):
+        assert [a.name for a in activities] == ["CUDA"], "device activity only: the host's ops are not traced"
+        self.started = self.stopped = 0
+
+    def start(self):
+        self.started += 1
+        self.t0 = time.perf_counter_ns()
+
+    def stop(self):
+        self.stopped += 1
+        wall = time.perf_counter_ns() - self.t0
+        device = SimpleNamespace(name="CUDA")
+        events = [SimpleNamespace(device_type=lambda: device, start_ns=lambda t=t: t, duration_ns=lambda: 2_000_000)
+                  for t in range(self.t0, self.t0 + wall - 2_000_000, 10_000_000)]  # fmt: skip
+        self.profiler = SimpleNamespace(kineto_results=SimpleNamespace(events=lambda: events))
+
+
+def test_on_a_gpu_extra_profiled_steps_give_the_busy_share(tmp_path, monkeypatch):
+    """The control flow a GPU takes, with CUDA's calls and the profiler stood in for: the busy steps run after the
+    timed ones, are not among them, and give the device's share of their wall time."""
+    for name in ("synchronize", "reset_peak_memory_stats"):
+        monkeypatch.setattr(benchmark.torch.cuda, name, lambda *a: None)
+    monkeypatch.setattr(benchmark.torch.cuda, "max_memory_allocated", lambda *a: 2**30)
+    made = []
+    monkeypatch.setattr(benchmark.torch.profiler, "profile", lambda activities: made.append(_FakeKineto(activities))
+                        or made[-1])  # fmt: skip
+    engine = trainer()
+    timer = StepTimer(tmp_path / "gpu.json", "cuda", warmup=WARMUP, steps=STEPS, busy_steps=3)
+    timer.attach(engine)
+    engine.run(slow_batches(), max_epochs=1, epoch_length=1000)
+    result = json.loads((tmp_path / "gpu.json").read_text())["result"]
+    assert engine.state.iteration == WARMUP + STEPS + 3 and result["timed_steps"] == STEPS
+    assert len(made) == 1 and made[0].started == made[0].stopped == 1
+    assert result["busy_steps"] == 3 and result["gpu_busy_fraction"] == pytest.approx(0.2, abs=0.05)
+    assert result["peak_memory_kind"] == "device, torch allocator" and result["peak_memory_gib"] == 1.0

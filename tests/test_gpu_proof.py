@@ -8,16 +8,17 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
-from benchmarks.gpu_proof import STEPS, compare_with_key_averages, peak_bf16_tflops, select
+from benchmarks.gpu_proof import STEPS, THROUGHPUT_SETS, compare_with_key_averages, peak_bf16_tflops, select, targets
 from conftest import ROOT
 
 KIT = [sys.executable, "-m", "benchmarks.gpu_proof"]
 CUDA_ONLY = {s.name for s in STEPS if s.gpu_only}
 #: the CUDA paths the gpu tests run with the tiny network (the compiling ones take minutes: the kit itself runs them)
 GPU_PATHS = ("grad_scaler", "fused_adamw", "gpu_monitor", "resume", "summariser", "evaluate_oom", "inference_oom",
-             "torchrun", "throughput_bf16", "throughput_cache_gpu")  # fmt: skip
+             "torchrun", "throughput")  # fmt: skip
 
 
 def run_kit(out: Path, *options: str) -> tuple[dict, str]:
@@ -55,7 +56,7 @@ def test_dry_run_reports_every_step_and_none_fails(dry_run):
 
 def test_cuda_only_steps_say_no_gpu_and_the_others_ran(dry_run):
     steps = by_name(dry_run[0])
-    assert {"grad_scaler", "fused_adamw", "gpu_monitor", "throughput_cache_gpu", "throughput_best"} <= CUDA_ONLY
+    assert {"grad_scaler", "fused_adamw", "gpu_monitor", "fullct_inference_compile"} == CUDA_ONLY
     for name, step in steps.items():
         expected = ("skipped", "no GPU") if name in CUDA_ONLY else ("ok", None)
         assert (step["status"], step.get("reason")) == expected, name
@@ -88,16 +89,42 @@ def test_evaluation_and_inference_fall_back_once_and_inference_writes_nifti_and_
     assert pydicom.dcmread(inference["seg"], stop_before_pixels=True).Modality == "SEG"
 
 
-def test_throughput_and_full_ct_rows_claim_no_gpu_number(dry_run):
-    report = dry_run[0]
-    rows = {r["step"]: r for r in report["throughput"]}
-    assert set(rows) == {"throughput_seed", "throughput_defaults"}
-    for row in rows.values():
-        assert row["ms_per_step"] > 0 and row["mfu"] is None and "no GPU" in row["mfu_reason"]
-    assert rows["throughput_seed"]["vs_seed"] == 1.0
+def test_throughput_rows_run_in_one_child_and_claim_no_gpu_number(dry_run):
+    report, _, out = dry_run
+    rows = {r["loop"]: r for r in by_name(report)["throughput"]["numbers"]["rows"]}
+    assert list(rows) == list(THROUGHPUT_SETS), "every row recorded, in order"
+    ran = list(report["throughput"])
+    assert [r["loop"] for r in ran] == list(THROUGHPUT_SETS[:3]), "the rows a CPU can run"
+    assert all(rows[name]["status"] == "skipped" and rows[name]["reason"] == "no GPU" for name in THROUGHPUT_SETS[3:])
+    assert [r["cache"] for r in ran] == ["none", "memory", "memory"], "cache auto stays in host memory on a CPU"
+    for row in ran:
+        assert row["ms_per_step"] > 0 and row["timed_steps"] >= 1 and row["gpu_busy_percent"] is None
+        assert row["mfu"] is None and "no GPU" in row["mfu_reason"]
+    assert ran[0]["vs_seed"] == 1.0
+    log = (out / "logs" / "throughput.log").read_text()
+    assert log.count("Loading dataset: 100%") == 1, "the host cache is built once and shared by the next row"
     cases = report["fullct_inference"]
     assert [c["warm"] for c in cases] == [False, True] and all(c["windows"] >= 1 and "predict" in c for c in cases)
     assert all(verdict.startswith("unmeasured") for verdict in report["targets"].values())
+
+
+def test_targets_read_the_right_rows():
+    rows = [{"loop": THROUGHPUT_SETS[0], "status": "ok", "patches_per_s": 1.3, "mfu": 0.008, "gpu_busy_percent": 40.0,
+             "data_wait_percent": 92.0, "first_step_s": 3.0},
+            {"loop": THROUGHPUT_SETS[2], "status": "ok", "patches_per_s": 30.0, "mfu": 0.07, "gpu_busy_percent": 95.0,
+             "data_wait_percent": 2.0, "first_step_s": 9.0},
+            {"loop": THROUGHPUT_SETS[4], "status": "ok", "patches_per_s": 50.0, "mfu": 0.12, "gpu_busy_percent": 88.0,
+             "data_wait_percent": 3.0, "first_step_s": 140.0}]  # fmt: skip
+    cases = [{"predict": 0.4}, {"predict": 0.2, "warm": True}]
+    records = {"throughput": {"status": "ok", "numbers": {"rows": rows}},
+               "fullct_inference": {"status": "ok", "numbers": {"cases": cases}}}  # fmt: skip
+    verdict = targets(SimpleNamespace(mode="full", gpu=True, records=records))
+    assert verdict["patches_per_s"] == f"met: 50 ({THROUGHPUT_SETS[4]}; target >= 45)"
+    assert verdict["mfu_percent"].startswith("met: 12 (") and verdict["gpu_busy_percent"].startswith("not met: 88 (")
+    assert verdict["data_wait_percent"] == f"met: 2 ({THROUGHPUT_SETS[2]}; target <= 5)", "the defaults' row"
+    assert verdict["compile_s"] == f"not met: 140 ({THROUGHPUT_SETS[4]}; target <= 90)"
+    assert verdict["network_s"] == "met: 0.2 (warm full-CT case; target <= 0.25)"
+    assert targets(SimpleNamespace(mode="full", gpu=True, records={}))["compile_s"].startswith("unmeasured")
 
 
 def test_peaks_come_from_the_device_name_and_an_unknown_device_gets_no_mfu():
