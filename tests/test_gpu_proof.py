@@ -11,7 +11,18 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from benchmarks.gpu_proof import STEPS, THROUGHPUT_SETS, compare_with_key_averages, peak_bf16_tflops, select, targets
+from benchmarks.gpu_proof import (
+    COMPILE_SET,
+    DEFAULTS_SET,
+    HOST_CACHE_SET,
+    SEED_SET,
+    STEPS,
+    THROUGHPUT_SETS,
+    compare_with_key_averages,
+    peak_bf16_tflops,
+    select,
+    targets,
+)
 from conftest import ROOT
 
 KIT = [sys.executable, "-m", "benchmarks.gpu_proof"]
@@ -56,7 +67,7 @@ def test_dry_run_reports_every_step_and_none_fails(dry_run):
 
 def test_cuda_only_steps_say_no_gpu_and_the_others_ran(dry_run):
     steps = by_name(dry_run[0])
-    assert {"grad_scaler", "fused_adamw", "gpu_monitor", "fullct_inference_compile"} == CUDA_ONLY
+    assert {"grad_scaler", "fused_adamw", "gpu_monitor"} == CUDA_ONLY
     for name, step in steps.items():
         expected = ("skipped", "no GPU") if name in CUDA_ONLY else ("ok", None)
         assert (step["status"], step.get("reason")) == expected, name
@@ -94,13 +105,14 @@ def test_throughput_rows_run_in_one_child_and_claim_no_gpu_number(dry_run):
     rows = {r["loop"]: r for r in by_name(report)["throughput"]["numbers"]["rows"]}
     assert list(rows) == list(THROUGHPUT_SETS), "every row recorded, in order"
     ran = list(report["throughput"])
-    assert [r["loop"] for r in ran] == list(THROUGHPUT_SETS[:3]), "the rows a CPU can run"
-    assert all(rows[name]["status"] == "skipped" and rows[name]["reason"] == "no GPU" for name in THROUGHPUT_SETS[3:])
-    assert [r["cache"] for r in ran] == ["none", "memory", "memory"], "cache auto stays in host memory on a CPU"
+    assert [r["loop"] for r in ran] == [DEFAULTS_SET, HOST_CACHE_SET, SEED_SET], "the rows a CPU can run"
+    skipped = [rows[name] for name in THROUGHPUT_SETS if name not in (DEFAULTS_SET, HOST_CACHE_SET, SEED_SET)]
+    assert all(row["status"] == "skipped" and row["reason"] == "no GPU" for row in skipped)
+    assert [r["cache"] for r in ran] == ["memory", "memory", "none"], "cache auto stays in host memory on a CPU"
     for row in ran:
         assert row["ms_per_step"] > 0 and row["timed_steps"] >= 1 and row["gpu_busy_percent"] is None
         assert row["mfu"] is None and "no GPU" in row["mfu_reason"]
-    assert ran[0]["vs_seed"] == 1.0
+    assert ran[2]["vs_seed"] == 1.0
     log = (out / "logs" / "throughput.log").read_text()
     assert log.count("Loading dataset: 100%") == 1, "the host cache is built once and shared by the next row"
     cases = report["fullct_inference"]
@@ -109,20 +121,20 @@ def test_throughput_rows_run_in_one_child_and_claim_no_gpu_number(dry_run):
 
 
 def test_targets_read_the_right_rows():
-    rows = [{"loop": THROUGHPUT_SETS[0], "status": "ok", "patches_per_s": 1.3, "mfu": 0.008, "gpu_busy_percent": 40.0,
+    rows = [{"loop": SEED_SET, "status": "ok", "patches_per_s": 1.3, "mfu": 0.008, "gpu_busy_percent": 40.0,
              "data_wait_percent": 92.0, "first_step_s": 3.0},
-            {"loop": THROUGHPUT_SETS[2], "status": "ok", "patches_per_s": 30.0, "mfu": 0.07, "gpu_busy_percent": 95.0,
+            {"loop": DEFAULTS_SET, "status": "ok", "patches_per_s": 30.0, "mfu": 0.07, "gpu_busy_percent": 95.0,
              "data_wait_percent": 2.0, "first_step_s": 9.0},
-            {"loop": THROUGHPUT_SETS[4], "status": "ok", "patches_per_s": 50.0, "mfu": 0.12, "gpu_busy_percent": 88.0,
+            {"loop": COMPILE_SET, "status": "ok", "patches_per_s": 50.0, "mfu": 0.12, "gpu_busy_percent": 88.0,
              "data_wait_percent": 3.0, "first_step_s": 140.0}]  # fmt: skip
     cases = [{"predict": 0.4}, {"predict": 0.2, "warm": True}]
     records = {"throughput": {"status": "ok", "numbers": {"rows": rows}},
                "fullct_inference": {"status": "ok", "numbers": {"cases": cases}}}  # fmt: skip
     verdict = targets(SimpleNamespace(mode="full", gpu=True, records=records))
-    assert verdict["patches_per_s"] == f"met: 50 ({THROUGHPUT_SETS[4]}; target >= 45)"
+    assert verdict["patches_per_s"] == f"met: 50 ({COMPILE_SET}; target >= 45)"
     assert verdict["mfu_percent"].startswith("met: 12 (") and verdict["gpu_busy_percent"].startswith("not met: 88 (")
-    assert verdict["data_wait_percent"] == f"met: 2 ({THROUGHPUT_SETS[2]}; target <= 5)", "the defaults' row"
-    assert verdict["compile_s"] == f"not met: 140 ({THROUGHPUT_SETS[4]}; target <= 90)"
+    assert verdict["data_wait_percent"] == f"met: 2 ({DEFAULTS_SET}; target <= 5)", "the defaults' row"
+    assert verdict["compile_s"] == f"not met: 140 ({COMPILE_SET}; target <= 90)"
     assert verdict["network_s"] == "met: 0.2 (warm full-CT case; target <= 0.25)"
     assert targets(SimpleNamespace(mode="full", gpu=True, records={}))["compile_s"].startswith("unmeasured")
 
