@@ -1,6 +1,7 @@
-"""Benchmark of CPU inference: the same case through ``configs/inference.yaml`` as shipped, run by PyTorch and by
-ONNX Runtime (``inference_backend``), with the windows over the thorax only (``roi_region: thorax``, the default) and
-over the whole body crop (``roi_region: body``, 0.5.1's behaviour), side by side.
+"""Benchmark of CPU inference: the same case through ``configs/inference.yaml`` as shipped, run by PyTorch, ONNX
+Runtime and OpenVINO in f32 and bf16 (``inference_backend``, ``cpu_precision``), with the windows over the thorax only
+(``roi_region: thorax``, the default) and over the whole body crop (``roi_region: body``, 0.5.1's behaviour), side by
+side.
 
 The shipped network (SwinUNETR feature size 48, random weights: time does not depend on their values) and the
 shipped window settings (96^3 windows, sw_batch_size 4, overlap 0.25, 1 x 1 x 3 mm) on synthetic CTs written as
@@ -8,10 +9,11 @@ DICOM: ``small`` (scripts.synthetic's demo-like chest, 160 x 160 x 48 voxels of 
 (:func:`scripts.synthetic.write_chest_case`: 512 x 512 x 120 of 0.98 mm, 3 mm slices -- the neck above the lungs,
 shoulders and arms beside the body, the upper abdomen below, the couch under the back, as a planning CT holds them;
 scripts/phantom.py states the proportions). Each backend, region and case runs in a child process of its own (so its
-peak RSS is its own, and nothing one leaves warm helps the other); the ONNX export (once per weights file, cached
-beside them) is made before the timed run and reported apart. Only the NIfTI label map is written::
+peak RSS is its own, and nothing one leaves warm helps the other); the ONNX export and OpenVINO's compilation (once
+per weights file and precision, cached beside them) are made before the timed run and reported apart. Only the NIfTI
+label map is written::
 
-    python -m benchmarks.bench_inference [--cases small,chest] [--backends torch,onnxruntime]
+    python -m benchmarks.bench_inference [--cases small,chest] [--backends torch,onnxruntime,openvino-f32,openvino-bf16]
                                          [--regions body,thorax] [--threads N] [--output_dir DIR] [--json_out FILE]
 
 Per case, backend and region: seconds for the whole case and per stage (read, preprocess, region, predict,
@@ -47,7 +49,7 @@ CASES = {  # columns, rows, slices; pixel spacing, slice spacing (mm); the chest
 
 def main(
     cases: str | Sequence[str] = ("small", "chest"),
-    backends: str | Sequence[str] = ("torch", "onnxruntime"),
+    backends: str | Sequence[str] = ("torch", "onnxruntime", "openvino-f32", "openvino-bf16"),
     regions: str | Sequence[str] = ("body", "thorax"),
     threads: int | None = None,
     feature_size: int = 48,
@@ -168,10 +170,13 @@ def _child(inputs: Path, out: Path, weights: Path, backend: str, threads: int | 
 
 
 def infer(inputs: str, out: str, weights: str, backend: str, threads: str = "", network: str = "{}") -> None:
-    """(Child process) configs/inference.yaml alone on ``inputs``; prints one JSON line with the times."""
+    """(Child process) configs/inference.yaml alone on ``inputs`` with ``backend`` (``openvino-bf16``: OpenVINO in
+    that precision); prints one JSON line with the times."""
     from monai.bundle import ConfigWorkflow
 
     settings = {"cpu_threads": int(threads)} if str(threads).strip() else {}
+    backend, _, precision = backend.partition("-")
+    settings["cpu_precision"] = precision or "auto"
     settings.update(json.loads(network) if isinstance(network, str) else network)
     workflow = ConfigWorkflow(config_file=str(ROOT / "configs" / "inference.yaml"), workflow_type=None,
                               bundle_root=str(ROOT), input_dir=inputs, output_dir=out, model_path=weights,
@@ -179,7 +184,7 @@ def infer(inputs: str, out: str, weights: str, backend: str, threads: str = "", 
                               write_sr=False, write_report=False, **settings)  # fmt: skip
     workflow.initialize()
     start = time.perf_counter()
-    network = workflow.parser.get_parsed_content("network")  # onnxruntime: exported here when not cached yet
+    network = workflow.parser.get_parsed_content("network")  # CPU runtimes: exported, compiled here if not cached
     setup = time.perf_counter() - start
     forward: list[float] = []
     windows: list[int] = []
@@ -260,7 +265,9 @@ def format_report(report: dict[str, Any]) -> str:
                 "voxels inside the thorax box (outside it the thorax run is background)"
             )
     setup = [f"{r['backend']} {r['case']} {r['region']}: {r['network_setup_s']} s" for r in report["rows"]]
-    lines.append("network set-up (weights loaded; onnxruntime: exported when not cached): " + ", ".join(setup))
+    lines.append(
+        "network set-up (weights loaded; CPU runtimes: exported and compiled when not cached): " + ", ".join(setup)
+    )
     return "\n".join(lines)
 
 

@@ -1,11 +1,20 @@
-"""The network that evaluation and inference run: PyTorch itself, or the same weights run by ONNX Runtime on a CPU.
+"""The network that evaluation and inference run: PyTorch itself, or the same weights run by OpenVINO or ONNX Runtime
+on a CPU.
 
-Most hospitals that would run this model have no GPU, and on a CPU ONNX Runtime runs SwinUNETR several times faster
-than PyTorch's eager mode (docs/performance.md, ``python -m benchmarks.bench_inference``). The choice is one id,
-``inference_backend``:
+Most hospitals that would run this model have no GPU, and on a CPU OpenVINO runs SwinUNETR several times faster than
+PyTorch's eager mode, in bf16 faster still where the CPU computes bf16 natively (docs/performance.md, ``python -m
+benchmarks.bench_inference``). The choice is one id, ``inference_backend``, and the CPU's precision a second,
+``cpu_precision``:
 
-* :func:`resolve` -- ``torch`` | ``onnxruntime`` | ``auto`` (ONNX Runtime on a CPU, PyTorch on a GPU) to the backend
-  in force, refusing ``onnxruntime`` on a GPU (this build of ONNX Runtime runs on the CPU only).
+* :func:`resolve` -- ``torch`` | ``openvino`` | ``onnxruntime`` | ``auto`` (OpenVINO on a CPU, else ONNX Runtime,
+  else PyTorch; PyTorch on a GPU) to the backend in force, refusing the CPU runtimes on a GPU.
+* :func:`resolve_precision` -- ``auto`` | ``bf16`` | ``f32``: ``auto`` is bf16 in OpenVINO where the CPU computes
+  bf16 natively (AVX-512 BF16 or AMX, as OpenVINO reports it), f32 elsewhere; ONNX Runtime and PyTorch on a CPU run
+  f32.
+* :func:`openvino_network` -- the ONNX export below (one export path, one cache), compiled by OpenVINO; its compiled
+  model is kept beside the ONNX file, one folder per precision (``model.pt.onnx.openvino-bf16/``; OpenVINO 2026.4's
+  cache key leaves the precision out, and an f32 blob loaded for bf16 crashes the process), removed whenever the ONNX
+  file is exported anew, so the second run loads it in about a second instead of compiling again.
 * :func:`onnx_network` -- a network with its weights loaded, exported to ONNX once and cached beside its weights file
   (``model.pt`` -> ``model.pt.onnx`` and ``model.pt.onnx.json``). The cache is keyed by the SHA-256 of the weights
   and of what the export depends on (the network's architecture, the window shape, the opset, PyTorch and this
@@ -20,9 +29,11 @@ than PyTorch's eager mode (docs/performance.md, ``python -m benchmarks.bench_inf
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import logging
+import shutil
 import time
 import warnings
 from collections.abc import Iterator, Sequence
@@ -36,7 +47,9 @@ from scripts.files import file_sha256, replace_atomically, write_json
 
 logger = logging.getLogger(__name__)
 
-BACKENDS = ("torch", "onnxruntime", "auto")
+BACKENDS = ("torch", "openvino", "onnxruntime", "auto")
+CPU_BACKENDS = ("openvino", "onnxruntime")
+PRECISIONS = ("auto", "bf16", "f32")
 #: the ONNX opset of the export: the lowest torch's exporter writes (ONNX Runtime 1.32 runs up to 23)
 OPSET = 18
 #: bump when the way the network is exported changes: every cache is then exported again
@@ -49,23 +62,52 @@ class BackendError(ValueError):
 
 
 def resolve(backend: str, device: torch.device | str) -> str:
-    """The backend in force: ``auto`` is ``onnxruntime`` on a CPU (when ONNX Runtime is installed) and ``torch`` on a
-    GPU; ``onnxruntime`` on a GPU is refused (the package in requirements.txt runs on the CPU)."""
+    """The backend in force: ``auto`` is ``openvino`` on a CPU (else ``onnxruntime``, else ``torch``, by what is
+    installed) and ``torch`` on a GPU; a CPU runtime on a GPU is refused (the packages in requirements.txt run on the
+    CPU)."""
     name = str(backend).strip().lower()
     if name not in BACKENDS:
         raise BackendError(f"inference_backend={backend!r}: choose one of {', '.join(BACKENDS)}.")
     on_cpu = torch.device(device).type == "cpu"
     if name == "auto":
-        name = "onnxruntime" if on_cpu and _onnxruntime_available() else "torch"
-    if name == "onnxruntime":
+        name = next((b for b in CPU_BACKENDS if _available(b)), "torch") if on_cpu else "torch"
+    if name in CPU_BACKENDS:
         if not on_cpu:
             raise BackendError(
-                f"inference_backend=onnxruntime runs on the CPU, but device is {device}: use --inference_backend "
+                f"inference_backend={name} runs on the CPU, but device is {device}: use --inference_backend "
                 "torch on a GPU (or auto), or --device cpu."
             )
-        if not _onnxruntime_available():
-            raise BackendError("inference_backend=onnxruntime needs `pip install onnxruntime onnx` (requirements.txt).")
+        if not _available(name):
+            raise BackendError(f"inference_backend={name} needs `pip install {name} onnx onnxscript` "
+                               "(requirements.txt).")  # fmt: skip
     return name
+
+
+def resolve_precision(precision: str, backend: str) -> str:
+    """The precision the network runs in on a CPU: for OpenVINO ``auto`` is ``bf16`` where the CPU computes bf16
+    natively (:func:`native_bf16`), else ``f32``; ``bf16`` is refused on a CPU without it, and by ONNX Runtime and
+    PyTorch, which run ``f32`` (the message says what to set)."""
+    name = str(precision).strip().lower()
+    if name not in PRECISIONS:
+        raise BackendError(f"cpu_precision={precision!r}: choose one of {', '.join(PRECISIONS)}.")
+    if backend == "openvino":
+        if name == "bf16" and not native_bf16():
+            raise BackendError("cpu_precision=bf16: this CPU does not compute bf16 natively (no AVX-512 BF16 or AMX; "
+                               "OpenVINO would emulate it): use --cpu_precision f32 or auto.")  # fmt: skip
+        return ("bf16" if native_bf16() else "f32") if name == "auto" else name
+    if name == "bf16":
+        raise BackendError(f"cpu_precision=bf16 runs in OpenVINO, not {backend}: --inference_backend openvino (or "
+                           "auto on a CPU), or --cpu_precision f32.")  # fmt: skip
+    return "f32"
+
+
+@functools.cache
+def native_bf16() -> bool:
+    """Whether OpenVINO's CPU plugin computes bf16 natively on this CPU (AVX-512 BF16, AMX): it lists ``BF16`` among
+    its optimisation capabilities only then."""
+    import openvino
+
+    return "BF16" in openvino.Core().get_property("CPU", "OPTIMIZATION_CAPABILITIES")
 
 
 def onnx_network(
@@ -83,6 +125,28 @@ def onnx_network(
     CPU this process may use).
     """
 
+    return OnnxNetwork(onnx_file(network, weights, window, cache_dir), threads)
+
+
+def openvino_network(
+    network: torch.nn.Module,
+    weights: str | Path,
+    window: Sequence[int],
+    cache_dir: str | Path | None = None,
+    threads: int | None = None,
+    precision: str = "f32",
+) -> OpenVinoNetwork:
+    """``network`` (its weights from ``weights`` already loaded) compiled by OpenVINO for the CPU in ``precision``
+    (``bf16`` or ``f32``), from the ONNX export of :func:`onnx_file`; arguments as :func:`onnx_network`'s."""
+    return OpenVinoNetwork(onnx_file(network, weights, window, cache_dir), threads, precision)
+
+
+def onnx_file(
+    network: torch.nn.Module, weights: str | Path, window: Sequence[int], cache_dir: str | Path | None = None
+) -> Path:
+    """The ONNX export of ``network`` for ``window``, exported once and kept in ``cache_dir`` (None: beside
+    ``weights``) with its key; what an earlier export left for the CPU runtimes (OpenVINO's compiled models) is removed
+    when it is exported anew."""
     weights = Path(weights)
     folder = Path(cache_dir) if cache_dir is not None else weights.parent
     model_file = folder / f"{weights.name}{CACHE_SUFFIX}"
@@ -98,10 +162,12 @@ def onnx_network(
     with lock:  # one process exports, the others (DDP ranks, parallel tests) wait and read its file
         _exclusive(lock)
         if _cached_key(model_file) != key:
+            for compiled in folder.glob(f"{model_file.name}.openvino-*"):  # compiled from the file replaced below
+                shutil.rmtree(compiled, ignore_errors=True)
             export(network, model_file, window, key, weights)  # hashes what it wrote: nothing to check again
         else:
             check_cache(model_file)
-    return OnnxNetwork(model_file, threads)
+    return model_file
 
 
 def cache_key(network: torch.nn.Module, weights_sha256: str, window: Sequence[int]) -> str:
@@ -226,6 +292,55 @@ class OnnxNetwork(torch.nn.Module):
         return f"model_file={self.model_file}, threads={self.threads}"
 
 
+class OpenVinoNetwork(torch.nn.Module):
+    """The ONNX export compiled by OpenVINO for the CPU, called like the PyTorch network: float32 ``[B, 1, *window]``
+    in, float32 logits out, one window at a time, in ``precision`` (``bf16``: OpenVINO's bf16 inference precision,
+    weights and activations in bf16 with f32 accumulation; ``f32``). The compiled model is cached in
+    ``<model_file>.openvino-<precision>/``; the log says whether it was compiled (and in how many seconds) or loaded."""
+
+    def __init__(self, model_file: str | Path, threads: int | None = None, precision: str = "f32") -> None:
+        super().__init__()
+        import openvino
+
+        self.model_file = Path(model_file)
+        self.threads = int(threads) if threads else usable_cpus()
+        self.precision = precision
+        cache = self.model_file.with_name(f"{self.model_file.name}.openvino-{precision}")
+        config = {"INFERENCE_PRECISION_HINT": precision, "INFERENCE_NUM_THREADS": self.threads,
+                  "PERFORMANCE_HINT": "LATENCY"}  # fmt: skip
+        lock = contextlib.nullcontext()
+        with contextlib.suppress(OSError):  # a read-only folder: compiled each run, nothing kept
+            cache.mkdir(exist_ok=True)
+            lock = open(f"{cache}.lock", "a")  # noqa: SIM115 -- one process compiles, the others load its blob
+            config["CACHE_DIR"] = str(cache)
+        start = time.perf_counter()
+        try:
+            with lock:
+                if "CACHE_DIR" in config:
+                    _exclusive(lock)
+                cached = cache.is_dir() and any(cache.glob("*.blob"))
+                self.compiled = openvino.Core().compile_model(str(self.model_file), "CPU", config)
+        except Exception as err:  # OpenVINO raises its own exception types
+            raise BackendError(
+                f"{self.model_file}: OpenVINO cannot compile it ({str(err)[:300]}); delete it, "
+                f"{_sidecar(self.model_file).name} and {cache.name}/, and run again to export it anew."
+            ) from err
+        self.compile_s = time.perf_counter() - start
+        logger.info("OpenVINO %s on the CPU, %s, %d threads: %s in %.1f s (%s)", openvino.__version__, precision,
+                    self.threads, "loaded" if cached else "compiled", self.compile_s,
+                    cache if "CACHE_DIR" in config else "not cached: the folder is read-only")  # fmt: skip
+        self.request = self.compiled.create_infer_request()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        array = torch.as_tensor(x).detach().to("cpu", torch.float32).numpy()
+        logits = [np.array(self.request.infer({0: np.ascontiguousarray(array[i : i + 1])})[0])
+                  for i in range(array.shape[0])]  # fmt: skip
+        return torch.from_numpy(np.concatenate(logits) if len(logits) > 1 else logits[0])
+
+    def extra_repr(self) -> str:
+        return f"model_file={self.model_file}, threads={self.threads}, precision={self.precision}"
+
+
 def _exclusive(handle: Any) -> None:
     """Hold an exclusive lock on an open file until it is closed (POSIX; elsewhere processes do not wait)."""
     try:
@@ -246,10 +361,11 @@ def _sidecar(model_file: Path) -> Path:
     return model_file.with_name(model_file.name + ".json")
 
 
-def _onnxruntime_available() -> bool:
+def _available(runtime: str) -> bool:
+    """Whether ``runtime`` (openvino, onnxruntime) and the ONNX export's packages are installed."""
     import importlib.util
 
-    return importlib.util.find_spec("onnxruntime") is not None and importlib.util.find_spec("onnx") is not None
+    return all(importlib.util.find_spec(name) is not None for name in (runtime, "onnx", "onnxscript"))
 
 
 @contextlib.contextmanager

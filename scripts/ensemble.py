@@ -20,6 +20,7 @@ one pass over the windows.
 from __future__ import annotations
 
 import copy
+import importlib.metadata
 import itertools
 import json
 import logging
@@ -30,7 +31,7 @@ from pathlib import Path
 
 import torch
 from monai.transforms import KeepLargestConnectedComponentd
-from scripts.backends import onnx_network
+from scripts.backends import onnx_network, openvino_network
 from scripts.files import file_sha256
 from scripts.weights import load_weights
 
@@ -73,17 +74,18 @@ class Models:
         return [*head, step]
 
     def record(
-        self, tta_axes: Sequence[int] | None, keep_largest_components: int, backend: str = "torch"
-    ) -> dict[str, str]:
+        self, tta_axes: Sequence[int] | None, keep_largest_components: int, backend: str = "torch",
+        precision: str = "f32",
+    ) -> dict[str, str]:  # fmt: skip
         """What made a prediction, for the DICOM SEG's algorithm parameters and the reports: each weight file with
-        the start of its SHA-256, the TTA, the post-processing and the backend that ran the network, with its version
-        (no ``,`` or ``=``, DICOM's separators)."""
+        the start of its SHA-256, the TTA, the post-processing, the backend that ran the network, with its version,
+        and its precision (no ``,`` or ``=``, DICOM's separators)."""
         files = "; ".join(f"{path} (sha256 {file_sha256(path)[:16]})" for path in self.paths)
         flips = mirror_flips(tta_axes)
         tta = "none" if len(flips) == 1 else f"mirror axes {'+'.join(map(str, tta_axes))} ({len(flips)} passes)"
         record = {"models": files, "num_models": str(len(self.paths)), "tta": tta,
                   "keep_largest_components": str(int(keep_largest_components)),
-                  "backend": _backend_version(backend)}  # fmt: skip
+                  "backend": _backend_version(backend), "precision": precision}  # fmt: skip
         return {k: v.replace(",", ";").replace("=", ":") for k, v in record.items()}
 
 
@@ -180,22 +182,27 @@ def ensemble(
     window: Sequence[int] | None = None,
     cache_dir: str | Path | None = None,
     threads: int | None = None,
+    precision: str = "f32",
 ) -> torch.nn.Module:
     """``network`` with the weights of ``models`` loaded: itself for one model without TTA, else an
     :class:`EnsembleNetwork` of ``network`` and deep copies of it, one per weight file (each checked against
     ``labels`` by :func:`scripts.weights.load_weights`).
 
-    ``backend="onnxruntime"``: each model is run by ONNX Runtime instead (:func:`scripts.backends.onnx_network`:
-    exported once per weights file at the sliding ``window``'s shape, cached in ``cache_dir`` or beside the weights,
-    ``threads`` intra-op threads), inside the same ensemble and TTA."""
+    ``backend="openvino"`` or ``"onnxruntime"``: each model is run by that CPU runtime instead
+    (:mod:`scripts.backends`: exported once per weights file at the sliding ``window``'s shape, cached in
+    ``cache_dir`` or beside the weights, ``threads`` intra-op threads; OpenVINO in ``precision``), inside the same
+    ensemble and TTA."""
     flips = mirror_flips(tta_axes)
     members = []
     for i, path in enumerate(models.paths):
         member = load_weights(network if i == 0 else copy.deepcopy(network), path, labels=labels)
-        if backend == "onnxruntime":
+        if backend in ("onnxruntime", "openvino"):
             if window is None:
-                raise ValueError("backend onnxruntime: give the sliding window's shape (window=roi_size).")
-            member = onnx_network(member, path, window, cache_dir, threads)
+                raise ValueError(f"backend {backend}: give the sliding window's shape (window=roi_size).")
+            if backend == "openvino":
+                member = openvino_network(member, path, window, cache_dir, threads, precision)
+            else:
+                member = onnx_network(member, path, window, cache_dir, threads)
         members.append(member)
     if len(members) == 1 and len(flips) == 1:
         return members[0]
@@ -205,9 +212,7 @@ def ensemble(
 
 
 def _backend_version(backend: str) -> str:
-    """``torch 2.13.0`` or ``onnxruntime 1.32.0``: the backend that ran the network."""
-    if backend == "onnxruntime":
-        import onnxruntime
-
-        return f"onnxruntime {onnxruntime.__version__}"
+    """``torch 2.13.0``, ``openvino 2026.4.1`` or ``onnxruntime 1.32.0``: the backend that ran the network."""
+    if backend in ("onnxruntime", "openvino"):
+        return f"{backend} {importlib.metadata.version(backend)}"  # the release (openvino's __version__ has its build)
     return f"torch {torch.__version__}"

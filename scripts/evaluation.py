@@ -46,8 +46,10 @@ class CaseMetrics:
         pictures: int = 0,
         hu_window: Sequence[float] = (-1000, 500),
         enabled: bool | None = None,
+        models: dict | None = None,
     ) -> None:
         self.output_dir = Path(output_dir)
+        self.models = dict(models or {})  # what made the predictions (weights, backend, precision): into the summary
         self.labels = list(labels)
         self.tolerance_mm = float(tolerance_mm)
         self.pred_key, self.truth_key = pred_key, truth_key
@@ -105,6 +107,8 @@ class CaseMetrics:
             "metrics": summarize(self.rows, columns),
             "failed": failed,  # cases not evaluated: stage and reason (the command exits with status 1)
         }
+        if self.models:
+            summary["models"] = self.models
         write_json(self.output_dir / "metrics_summary.json", summary)
         dice = {r["case_id"]: np.nanmean([r[f"{n}_dice"] for n in self.labels] or [np.nan]) for r in self.rows}
         worst = sorted(self._png, key=lambda c: (np.nan_to_num(dice[c], nan=2.0), c))

@@ -1,6 +1,7 @@
-"""The ONNX Runtime backend: which backend runs where, the export cached beside the weights (used again, exported
-anew when the weights or settings change, refused when corrupt), its outputs equal to PyTorch's inside the sliding
-window, an ensemble and mirror TTA, and its thread count taken from the CPUs the process may use.
+"""The CPU backends (OpenVINO, ONNX Runtime): which backend and precision run where, the export cached beside the
+weights (used again, exported anew when the weights or settings change, refused when corrupt), OpenVINO's compiled
+model cached beside it per precision, outputs equal to PyTorch's inside the sliding window (bf16 within its rounding),
+an ensemble and mirror TTA, and the thread count taken from the CPUs the process may use.
 
 A small 3-D network (convolutions, instance norm, leaky ReLU, as SwinUNETR's blocks) stands in for SwinUNETR here:
 the mechanics do not depend on its size; tests/test_workflow_inference.py runs the demo's SwinUNETR through both.
@@ -11,12 +12,22 @@ from __future__ import annotations
 import json
 import logging
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from monai.inferers import SlidingWindowInferer
-from scripts.backends import BackendError, OnnxNetwork, onnx_network, resolve
+from scripts.backends import (
+    BackendError,
+    OnnxNetwork,
+    OpenVinoNetwork,
+    native_bf16,
+    onnx_network,
+    openvino_network,
+    resolve,
+    resolve_precision,
+)
 from scripts.ensemble import EnsembleNetwork, Models, ensemble, mirror_flips
 
 WINDOW = (16, 16, 8)
@@ -42,14 +53,78 @@ def exports(caplog):
     return lambda: [r for r in caplog.records if r.getMessage().startswith("exporting ")]
 
 
-def test_auto_is_onnxruntime_on_a_cpu_and_torch_on_a_gpu_and_onnxruntime_on_a_gpu_is_refused():
-    assert resolve("auto", torch.device("cpu")) == "onnxruntime"
+def test_auto_is_openvino_on_a_cpu_and_torch_on_a_gpu_and_cpu_runtimes_on_a_gpu_are_refused(monkeypatch):
+    assert resolve("auto", torch.device("cpu")) == "openvino"
     assert resolve("auto", torch.device("cuda:0")) == "torch"
-    assert resolve("TORCH", "cpu") == "torch"
-    with pytest.raises(BackendError, match="runs on the CPU, but device is cuda:1: use --inference_backend torch"):
-        resolve("onnxruntime", "cuda:1")
-    with pytest.raises(BackendError, match="inference_backend='tensorrt': choose one of torch, onnxruntime, auto"):
+    assert resolve("TORCH", "cpu") == "torch" and resolve("onnxruntime", "cpu") == "onnxruntime"
+    for runtime in ("onnxruntime", "openvino"):
+        with pytest.raises(BackendError, match="runs on the CPU, but device is cuda:1: use --inference_backend torch"):
+            resolve(runtime, "cuda:1")
+    with pytest.raises(BackendError, match="'tensorrt': choose one of torch, openvino, onnxruntime, auto"):
         resolve("tensorrt", "cpu")
+    monkeypatch.setattr("scripts.backends._available", lambda runtime: runtime == "onnxruntime")
+    assert resolve("auto", "cpu") == "onnxruntime", "without OpenVINO, the next CPU runtime"
+    with pytest.raises(BackendError, match="inference_backend=openvino needs `pip install openvino"):
+        resolve("openvino", "cpu")
+
+
+def test_precision_auto_is_bf16_only_where_the_cpu_computes_it_natively(monkeypatch):
+    flags = Path("/proc/cpuinfo").read_text().split()
+    assert native_bf16() == ("avx512_bf16" in flags or "amx_bf16" in flags), "OpenVINO's word matches the CPU's flags"
+    for native in (True, False):
+        monkeypatch.setattr("scripts.backends.native_bf16", lambda native=native: native)
+        assert resolve_precision("auto", "openvino") == ("bf16" if native else "f32")
+        assert resolve_precision("F32", "openvino") == "f32"
+        assert resolve_precision("auto", "onnxruntime") == resolve_precision("auto", "torch") == "f32"
+    with pytest.raises(BackendError, match=r"this CPU does not compute bf16 natively .* use --cpu_precision f32"):
+        resolve_precision("bf16", "openvino")  # native_bf16 is False here (the loop's last)
+    monkeypatch.setattr("scripts.backends.native_bf16", lambda: True)
+    assert resolve_precision("bf16", "openvino") == "bf16"
+    with pytest.raises(BackendError, match="cpu_precision=bf16 runs in OpenVINO, not onnxruntime"):
+        resolve_precision("bf16", "onnxruntime")
+    with pytest.raises(BackendError, match="cpu_precision='fp8': choose one of auto, bf16, f32"):
+        resolve_precision("fp8", "openvino")
+
+
+NATIVE_BF16 = pytest.mark.skipif(not native_bf16(), reason="this CPU does not compute bf16 natively")
+
+
+@pytest.mark.parametrize(("precision", "tolerance"), [("f32", 1e-4), pytest.param("bf16", 0.05, marks=NATIVE_BF16)])
+def test_openvino_gives_torchs_output_and_loads_its_compiled_model_the_second_time(tmp_path, caplog, precision,
+                                                                                  tolerance):  # fmt: skip
+    caplog.set_level(logging.INFO, logger="scripts.backends")
+    network, weights = saved(small_network(0), tmp_path / "model.pt")
+    first = openvino_network(network, weights, WINDOW, precision=precision)
+    second = openvino_network(network, weights, WINDOW, precision=precision)
+    assert isinstance(second, OpenVinoNetwork) and second.model_file == tmp_path / "model.pt.onnx"
+    compiled = [r.getMessage() for r in caplog.records if r.getMessage().startswith("OpenVINO ")]
+    assert [" compiled in " in compiled[0], " loaded in " in compiled[1]] == [True, True], compiled
+    assert f", {precision}, " in compiled[0] and list((tmp_path / f"model.pt.onnx.openvino-{precision}").glob("*.blob"))
+    for batch in (1, 3):
+        x = torch.rand(batch, 1, *WINDOW, generator=torch.Generator().manual_seed(batch))
+        with torch.no_grad():
+            expected = network(x)
+        for backend in (first, second):
+            out = backend(x)
+            assert out.dtype == torch.float32 and out.shape == expected.shape
+            torch.testing.assert_close(out, expected, rtol=tolerance, atol=tolerance)
+
+
+@NATIVE_BF16
+def test_each_precision_has_its_compiled_model_and_a_new_export_drops_them(tmp_path):
+    """OpenVINO 2026.4 keys its model cache without the precision: an f32 blob loaded for bf16 crashes the process.
+    Each precision therefore keeps its own folder, and a new export (other weights) removes both."""
+    network, weights = saved(small_network(0), tmp_path / "model.pt")
+    x = torch.rand(1, 1, *WINDOW, generator=torch.Generator().manual_seed(0))
+    for precision in ("f32", "bf16", "f32"):
+        openvino_network(network, weights, WINDOW, precision=precision)(x)
+    assert sorted(p.name for p in tmp_path.glob("model.pt.onnx.openvino-*") if p.is_dir()) == [
+        "model.pt.onnx.openvino-bf16", "model.pt.onnx.openvino-f32"]  # fmt: skip
+    retrained, _ = saved(small_network(1), weights)
+    again = onnx_network(retrained, weights, WINDOW)
+    assert not [p for p in tmp_path.glob("model.pt.onnx.openvino-*") if p.is_dir()], "compiled from the old export"
+    with torch.no_grad():
+        torch.testing.assert_close(again(x), retrained(x), rtol=1e-4, atol=1e-5)
 
 
 def test_the_export_is_cached_beside_the_weights_and_gives_torchs_output_for_any_batch(tmp_path, exports):

@@ -22,7 +22,7 @@ from conftest import ROOT, bundle_run, configs
 from dicom_factory import Series, write_scanner_study, write_series
 from pydicom.uid import generate_uid
 from scripts.dicom import read_ct_series, read_rtstruct_labels, read_seg_labels
-from scripts.synthetic import generate
+from scripts.synthetic import generate, write_case
 
 SCANNER = "SCANNER-01"  # the patient of the study written as a scanner exports it
 
@@ -50,6 +50,9 @@ save_case#fail_case: {FAULTS["write"]}
 """
 
 
+CHEST = "CHEST-512"
+
+
 @pytest.fixture(scope="module")
 def inferred(demo_run, tmp_path_factory):
     """Two unseen synthetic DICOM cases, one of them also as NIfTI, and the inputs a real folder holds: a folder
@@ -61,6 +64,8 @@ def inferred(demo_run, tmp_path_factory):
     tmp, _, _ = demo_run
     inputs = tmp_path_factory.mktemp("infer_in")
     truths = generate(inputs / "tcia", num_cases=2, shape=(128, 128, 40), seed=777, tumour_hu=400)
+    # a CT of a real scanner's grid (512 x 512 of 0.98 mm), for the bf16 / f32 comparison
+    write_case(inputs / "tcia" / "chest512", CHEST, 31, (512, 512, 40), (0.9765625, 0.9765625), tumour_hu=400)
     ct = read_ct_series(truths[0]["image_dir"])
     as_nifti = nib.Nifti1Image(ct.hu, ct.affine_ras)
     nib.save(as_nifti, inputs / "first_case.nii.gz")
@@ -147,27 +152,47 @@ def test_the_inference_config_alone_runs_from_another_folder_and_equals_the_laye
     np.testing.assert_array_equal(ours, np.asarray(nib.load(out / case / f"{case}_seg.nii.gz").dataobj))
 
 
-def test_onnxruntime_runs_the_network_on_a_cpu_and_the_reports_name_it(inferred, demo_run):
-    """On a CPU the default backend is ONNX Runtime (the `inferred` run): the network exported once and kept beside
-    the demo's weights gives PyTorch's logits to 1e-3 on a batch of windows, and the SEG's algorithm parameters and
-    the reports name the backend. (Labels through the whole sliding window, an ensemble and TTA: test_backends.py.)"""
-    from monai.networks.nets import SwinUNETR
-    from scripts.backends import OnnxNetwork
-    from scripts.weights import load_weights
+def test_openvino_runs_the_network_on_a_cpu_and_the_reports_name_it_and_its_precision(inferred, demo_run):
+    """On a CPU the default backend is OpenVINO (the `inferred` run), in bf16 where the CPU computes it natively: the
+    export and the compiled model are kept beside the demo's weights, and the SEG's algorithm parameters and the
+    reports name the backend and the precision. (Logits against PyTorch, an ensemble and TTA: test_backends.py.)"""
+    from scripts.backends import native_bf16
 
-    truths, _, out, _, report, _ = inferred
+    truths, _, out, result, report, _ = inferred
     tmp, _, _ = demo_run
-    assert (tmp / "run" / "model.pt.onnx").is_file() and (tmp / "run" / "model.pt.onnx.json").is_file()
-    eager = load_weights(SwinUNETR(in_channels=1, out_channels=2, feature_size=12), tmp / "run" / "model.pt").eval()
-    windows = torch.rand(2, 1, 64, 64, 32, generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        torch.testing.assert_close(OnnxNetwork(tmp / "run" / "model.pt.onnx")(windows), eager(windows), rtol=1e-3,
-                                   atol=1e-3)  # fmt: skip
-    assert report["models"]["backend"].startswith("onnxruntime ")
+    precision = "bf16" if native_bf16() else "f32"
+    assert (tmp / "run" / "model.pt.onnx").is_file() and (tmp / "run" / f"model.pt.onnx.openvino-{precision}").is_dir()
+    assert "OpenVINO 2026" in result.stdout + result.stderr and f", {precision}, " in result.stdout + result.stderr
+    assert report["models"]["backend"].startswith("openvino ") and report["models"]["precision"] == precision
     case = truths[0]["patient_id"]
-    assert json.loads((out / case / f"{case}_report.json").read_text())["models"]["backend"].startswith("onnxruntime")
-    algorithm = hd.seg.segread(out / case / f"{case}_seg.dcm").SegmentSequence[0]
-    assert "backend=onnxruntime " in algorithm.SegmentationAlgorithmIdentificationSequence[0].AlgorithmParameters
+    models = json.loads((out / case / f"{case}_report.json").read_text())["models"]
+    assert models["backend"].startswith("openvino ") and models["precision"] == precision
+    parameters = hd.seg.segread(out / case / f"{case}_seg.dcm").SegmentSequence[0]
+    parameters = parameters.SegmentationAlgorithmIdentificationSequence[0].AlgorithmParameters
+    assert "backend=openvino " in parameters and f"precision={precision}" in parameters
+
+
+def test_bf16_and_f32_give_the_same_tumour_on_the_demo_cases_and_a_scanner_sized_ct(inferred, demo_run, tmp_path):
+    """The accuracy guard of bf16: the demo's trained weights on two unseen demo cases and a 512 x 512 CT, in f32
+    and in bf16 (the `inferred` run, where the CPU computes bf16): tumour Dice >= 0.99, volumes within 1 %."""
+    from scripts.backends import native_bf16
+
+    if not native_bf16():
+        pytest.skip("this CPU has no native bf16: auto ran f32, nothing to compare")
+    truths, inputs, out, _, _, _ = inferred
+    tmp, _, _ = demo_run
+    f32 = bundle_run("inference", "--config_file", configs("inference.yaml", "demo.yaml"), "--input_dir",
+                     str(inputs / "tcia"), "--output_dir", str(tmp_path), "--model_path", str(tmp / "run" / "model.pt"),
+                     "--cpu_precision", "f32", "--num_workers", "0", "--write_dicom_seg", "false", "--write_rtstruct",
+                     "false", "--write_sr", "false", "--write_report", "false")  # fmt: skip
+    assert f32.returncode == 0, f32.stderr[-3000:]
+    assert json.loads((tmp_path / "inference_report.json").read_text())["models"]["precision"] == "f32"
+    for case in [t["patient_id"] for t in truths] + [CHEST]:
+        bf16_map = np.asarray(nib.load(out / case / f"{case}_seg.nii.gz").dataobj) > 0
+        f32_map = np.asarray(nib.load(tmp_path / case / f"{case}_seg.nii.gz").dataobj) > 0
+        assert f32_map.sum() > 100, f"{case}: the demo network finds the tumour"
+        assert dice(bf16_map, f32_map) >= 0.99, case
+        assert abs(int(bf16_map.sum()) - int(f32_map.sum())) <= 0.01 * f32_map.sum(), case
 
 
 def test_inference_without_an_input_dir_says_what_to_pass(tmp_path):
@@ -210,7 +235,7 @@ def test_each_bad_input_is_failed_or_skipped_by_name_and_the_others_are_written(
     assert "a fault injected in post-processing" in failed[FAULTS["postprocess"]]["reason"]
     assert "No space left on device" in failed[FAULTS["write"]]["reason"]
     done = {k for k, c in cases.items() if c["status"] == "done"}
-    assert done == {t["patient_id"] for t in truths} | {"first_case", "long_folder", SCANNER}, "the others ran"
+    assert done == {t["patient_id"] for t in truths} | {"first_case", "long_folder", SCANNER, CHEST}, "the others ran"
     for case in ("cut_pixels", *FAULTS.values()):
         assert not (out / case).exists(), f"{case}: a failed case leaves no outputs"
     assert not list(out.glob(".partial-*")) and not list(out.glob(".old-*")), "no half-written folder is left"
@@ -322,7 +347,7 @@ def test_diagonal_neighbours_are_one_component():
 def test_dicom_cases_also_get_an_rtstruct_an_sr_and_a_report(inferred):
     truths, _, out, _, _, _ = inferred
     rows = list(csv.DictReader((out / "report.csv").open()))
-    done = [t["patient_id"] for t in truths] + ["first_case", "long_folder", SCANNER]
+    done = [t["patient_id"] for t in truths] + ["first_case", "long_folder", SCANNER, CHEST]
     assert sorted(r["case"] for r in rows) == sorted(done), "a row per case written, none for a failed one"
     for truth in truths:
         case = truth["patient_id"]
