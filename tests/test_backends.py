@@ -82,8 +82,8 @@ def exports(caplog):
     return lambda: [r for r in caplog.records if r.getMessage().startswith("exporting ")]
 
 
-def test_auto_is_openvino_on_a_cpu_and_torch_on_a_gpu_and_cpu_runtimes_on_a_gpu_are_refused(monkeypatch):
-    assert resolve("auto", torch.device("cpu")) == "openvino"
+def test_auto_is_a_cpu_runtime_on_a_cpu_and_torch_on_a_gpu_and_cpu_runtimes_on_a_gpu_are_refused(monkeypatch):
+    assert resolve("auto", torch.device("cpu")) == "onnxruntime"
     assert resolve("auto", torch.device("cuda:0")) == "torch"
     assert resolve("TORCH", "cpu") == "torch" and resolve("onnxruntime", "cpu") == "onnxruntime"
     for runtime in ("onnxruntime", "openvino"):
@@ -91,8 +91,8 @@ def test_auto_is_openvino_on_a_cpu_and_torch_on_a_gpu_and_cpu_runtimes_on_a_gpu_
             resolve(runtime, "cuda:1")
     with pytest.raises(BackendError, match="'tensorrt': choose one of torch, openvino, onnxruntime, auto"):
         resolve("tensorrt", "cpu")
-    monkeypatch.setattr("scripts.backends._available", lambda runtime: runtime == "onnxruntime")
-    assert resolve("auto", "cpu") == "onnxruntime", "without OpenVINO, the next CPU runtime"
+    monkeypatch.setattr("scripts.backends._available", lambda runtime: runtime == "openvino")
+    assert resolve("auto", "cpu") == "openvino", "without ONNX Runtime, the next CPU runtime"
     with pytest.raises(BackendError, match="inference_backend=openvino needs `pip install openvino"):
         resolve("openvino", "cpu")
 
