@@ -9,13 +9,9 @@ the mechanics do not depend on its size; tests/test_workflow_inference.py runs t
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
-import multiprocessing
 import os
-import traceback
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -35,31 +31,6 @@ from scripts.backends import (
 from scripts.ensemble import EnsembleNetwork, Models, ensemble, mirror_flips
 
 WINDOW = (16, 16, 8)
-
-
-def in_a_fork(test: Callable) -> Callable:
-    """``test`` run in a fork of the test worker, its failure reported here: OpenVINO's CPU plugin (its thread pool)
-    then never lives in the worker, which goes on to fork DataLoader workers and pools for other tests."""
-
-    @functools.wraps(test)
-    def wrapper(*args, **kwargs) -> None:
-        context = multiprocessing.get_context("fork")
-        receive, send = context.Pipe(duplex=False)
-        child = context.Process(target=_report_to, args=(send, test, args, kwargs))
-        child.start()
-        error = receive.recv() if receive.poll(600) else "no answer within 600 s"
-        child.join()
-        assert error is None and child.exitcode == 0, error or f"the fork ended with exit code {child.exitcode}"
-
-    return wrapper
-
-
-def _report_to(send, test: Callable, args, kwargs) -> None:
-    try:
-        test(*args, **kwargs)
-        send.send(None)
-    except Exception:  # the assertion (or any error) travels back as text
-        send.send(traceback.format_exc())
 
 
 def small_network(seed: int) -> torch.nn.Module:
@@ -93,11 +64,10 @@ def test_auto_is_a_cpu_runtime_on_a_cpu_and_torch_on_a_gpu_and_cpu_runtimes_on_a
         resolve("tensorrt", "cpu")
     monkeypatch.setattr("scripts.backends._available", lambda runtime: runtime == "openvino")
     assert resolve("auto", "cpu") == "openvino", "without ONNX Runtime, the next CPU runtime"
-    with pytest.raises(BackendError, match="inference_backend=openvino needs `pip install openvino"):
-        resolve("openvino", "cpu")
+    with pytest.raises(BackendError, match="inference_backend=onnxruntime needs `pip install onnxruntime"):
+        resolve("onnxruntime", "cpu")
 
 
-@in_a_fork
 def test_precision_auto_is_bf16_only_where_the_cpu_computes_it_natively(monkeypatch):
     assert native_bf16() == bool(CPU_BF16), "OpenVINO's word matches the CPU's flags"
     for native in (True, False):
@@ -119,7 +89,6 @@ CPU_BF16 = {"avx512_bf16", "amx_bf16"} & set(Path("/proc/cpuinfo").read_text().s
 NATIVE_BF16 = pytest.mark.skipif(not CPU_BF16, reason="this CPU does not compute bf16 natively")
 
 
-@in_a_fork
 @pytest.mark.parametrize(("precision", "tolerance"), [("f32", 1e-4), pytest.param("bf16", 0.05, marks=NATIVE_BF16)])
 def test_openvino_gives_torchs_output_and_loads_its_compiled_model_the_second_time(
     tmp_path, caplog, precision, tolerance
@@ -142,7 +111,6 @@ def test_openvino_gives_torchs_output_and_loads_its_compiled_model_the_second_ti
             torch.testing.assert_close(out, expected, rtol=tolerance, atol=tolerance)
 
 
-@in_a_fork
 @NATIVE_BF16
 def test_each_precision_has_its_compiled_model_and_a_new_export_drops_them(tmp_path):
     """OpenVINO 2026.4 keys its model cache without the precision: an f32 blob loaded for bf16 crashes the process.
