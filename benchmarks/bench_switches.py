@@ -84,11 +84,11 @@ def run_rows(
         switches, needs_gpu = SWITCH_SETS[name]
         record: dict[str, Any] = {"set": name, "switches": switches, "status": "ok"}
         records.append(record)
+        estimate = (estimate_s or {}).get(name, 0.0)
         if needs_gpu and not gpu:
             record.update(status="skipped", reason="no GPU")
-        elif deadline is not None and time.monotonic() + (estimate_s or {}).get(name, 0.0) > deadline:
-            record.update(status="skipped", reason=f"budget: ~{(estimate_s or {}).get(name, 0.0):.0f} s more would "
-                          "pass the deadline")  # fmt: skip
+        elif deadline is not None and time.monotonic() + estimate > deadline:
+            record.update(status="skipped", reason=f"budget: ~{estimate:.0f} s more would pass the deadline")
         if record["status"] == "skipped":
             if progress:
                 progress(records)

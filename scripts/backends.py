@@ -1,13 +1,13 @@
 """The network that evaluation and inference run: PyTorch itself, or the same weights run by OpenVINO or ONNX Runtime
 on a CPU.
 
-Most hospitals that would run this model have no GPU, and on a CPU OpenVINO runs SwinUNETR several times faster than
-PyTorch's eager mode, in bf16 faster still where the CPU computes bf16 natively (docs/performance.md, ``python -m
-benchmarks.bench_inference``). The choice is one id, ``inference_backend``, and the CPU's precision a second,
+Most hospitals that would run this model have no GPU, and on a CPU the CPU runtimes run SwinUNETR several times faster
+than PyTorch's eager mode -- OpenVINO fastest, in bf16 faster still where the CPU computes bf16 natively
+(docs/performance.md, ``python -m benchmarks.bench_inference``). The choice is one id, ``inference_backend``, and the CPU's precision a second,
 ``cpu_precision``:
 
-* :func:`resolve` -- ``torch`` | ``openvino`` | ``onnxruntime`` | ``auto`` (OpenVINO on a CPU, else ONNX Runtime,
-  else PyTorch; PyTorch on a GPU) to the backend in force, refusing the CPU runtimes on a GPU.
+* :func:`resolve` -- ``torch`` | ``openvino`` | ``onnxruntime`` | ``auto`` (on a CPU the first installed of
+  :data:`AUTO_ORDER`, else PyTorch; PyTorch on a GPU) to the backend in force, refusing the CPU runtimes on a GPU.
 * :func:`resolve_precision` -- ``auto`` | ``bf16`` | ``f32``: ``auto`` is bf16 in OpenVINO where the CPU computes
   bf16 natively (AVX-512 BF16 or AMX, as OpenVINO reports it), f32 elsewhere; ONNX Runtime and PyTorch on a CPU run
   f32.
