@@ -3,8 +3,8 @@ on a CPU.
 
 Most hospitals that would run this model have no GPU, and on a CPU the CPU runtimes run SwinUNETR several times faster
 than PyTorch's eager mode -- OpenVINO fastest, in bf16 faster still where the CPU computes bf16 natively
-(docs/performance.md, ``python -m benchmarks.bench_inference``). The choice is one id, ``inference_backend``, and the CPU's precision a second,
-``cpu_precision``:
+(docs/performance.md, ``python -m benchmarks.bench_inference``). The choice is one id, ``inference_backend``, and the
+CPU's precision a second, ``cpu_precision``:
 
 * :func:`resolve` -- ``torch`` | ``openvino`` | ``onnxruntime`` | ``auto`` (on a CPU the first installed of
   :data:`AUTO_ORDER`, else PyTorch; PyTorch on a GPU) to the backend in force, refusing the CPU runtimes on a GPU.
