@@ -38,7 +38,7 @@ import numpy as np
 from ignite.engine import Engine, Events
 from monai.transforms import MapTransform
 from scripts.batches import merged_items
-from scripts.dicom import SeriesSource, SliceMap, read_ct_series
+from scripts.dicom import CtSeries, SeriesSource, SliceMap, read_ct_series, scan_ct_series
 from scripts.figures import png_bytes, render_planes
 from scripts.files import display_name, save_nifti, write_json
 from scripts.geometry import voxel_volume_ml
@@ -122,7 +122,11 @@ class SaveCased(MapTransform):
         if slices is not None:
             logger.info("%s: labels mapped from the resampled %s grid back onto the %d original slices", case_id,
                         "x".join(map(str, labels.shape)), on_slices.shape[2])  # fmt: skip
-        report = self._report(d, labels, affine, case_id, folder, files, slices) if self.write_report else None
+        report, ct = (
+            self._report(d, labels, affine, case_id, folder, files, slices) if self.write_report else (None, None)
+        )
+        if dicom and (self.write_seg or self.write_rtstruct or (self.write_sr and report is not None)):
+            series = ct.scanned if ct is not None else scan_ct_series(series, resample=True)  # headers read once
         if dicom and self.write_seg:
             files["dicom_seg"] = str(folder / f"{case_id}_seg.dcm")
             write_dicom_seg(on_slices, series, self.labels, files["dicom_seg"], self.algorithm)
@@ -146,10 +150,11 @@ class SaveCased(MapTransform):
         folder: Path,
         files: dict,
         slices: SliceMap | None,
-    ) -> dict:
+    ) -> tuple[dict, CtSeries | None]:
         """The tumour report of the prediction, with HU from the case's CT read again (on the grid the prediction is
-        on), as JSON and as a three-plane picture; a resampled series' notes say how, and where the DICOM labels are."""
-        hu, notes = original_ct(d.get("slice_paths") or d["source_path"], d.get("source", "dicom"), labels.shape)
+        on), as JSON and as a three-plane picture; a resampled series' notes say how, and where the DICOM labels are.
+        Also the series read (its headers serve the DICOM writers), None for NIfTI."""
+        hu, notes, ct = original_ct(d.get("slice_paths") or d["source_path"], d.get("source", "dicom"), labels.shape)
         report = tumour_report(labels, hu, affine, self.labels)
         context = {"input": display_name(str(d["source_path"])), "model_version": self.version}
         if slices is not None:
@@ -164,13 +169,16 @@ class SaveCased(MapTransform):
         picture = render_planes(hu, labels, affine, title=f"{case_id}: {', '.join(self.labels)}")
         files["picture"] = str(folder / f"{case_id}_report.png")
         Path(files["picture"]).write_bytes(png_bytes(picture))
-        return report
+        return report, ct
 
 
-def original_ct(path: SeriesSource, source: str, shape: tuple[int, ...]) -> tuple[np.ndarray | None, list[str]]:
+def original_ct(
+    path: SeriesSource, source: str, shape: tuple[int, ...]
+) -> tuple[np.ndarray | None, list[str], CtSeries | None]:
     """The case's CT in HU on the grid inference read it on (a DICOM series' own, or its equal-step grid when it was
-    resampled; a NIfTI's), for the report, and the reader's notes; HU None if it cannot be read again or does not
-    match the prediction's grid (the report then has no HU statistics)."""
+    resampled; a NIfTI's), for the report, the reader's notes and the DICOM series read (None for NIfTI); HU None if
+    it cannot be read again or does not match the prediction's grid (the report then has no HU statistics)."""
+    ct = None
     try:
         if source == "dicom":
             ct = read_ct_series(path, resample=True)
@@ -179,9 +187,9 @@ def original_ct(path: SeriesSource, source: str, shape: tuple[int, ...]) -> tupl
             hu, notes = np.asarray(nib.load(str(path)).dataobj), []
     except Exception as err:  # the prediction is written without HU statistics rather than not at all
         logger.warning("%s: CT not read again for the report (%s)", path, err)
-        return None, []
+        return None, [], None
     hu = hu.reshape(hu.shape[:3]) if hu.ndim == 4 and hu.shape[3] == 1 else hu
-    return (hu if hu.shape == tuple(shape) else None), notes
+    return (hu if hu.shape == tuple(shape) else None), notes, ct
 
 
 def _move_into_place(staging: Path, final: Path) -> None:

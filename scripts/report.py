@@ -37,7 +37,7 @@ from scipy import ndimage
 from scipy.spatial import ConvexHull, QhullError
 from scipy.spatial.distance import pdist
 from scripts.files import write_json, write_text
-from scripts.geometry import voxel_volume_ml
+from scripts.geometry import bounding_box, shifted, voxel_volume_ml
 from skimage.measure import find_contours
 
 logger = logging.getLogger(__name__)
@@ -57,7 +57,17 @@ def tumour_report(
     if hu is not None and np.shape(hu) != labels.shape:
         raise ValueError(f"CT shape {np.shape(hu)} differs from the label map's {labels.shape}.")
     axial = int(np.argmax(np.abs(affine[2, :3])))
-    return {name: _structure(labels == index, hu, affine, axial) for index, name in enumerate(names, start=1)}
+    # measured on the labels' bounding box (a tumour fills a few thousandths of a CT): its affine places it, and the
+    # slice indices are the whole grid's again below
+    low, high = bounding_box(labels) or (np.zeros(3, int), np.zeros(3, int))
+    box = tuple(slice(a, b) for a, b in zip(low, high, strict=True))
+    labels, hu, affine = labels[box], None if hu is None else np.asarray(hu)[box], shifted(affine, low)
+    report = {name: _structure(labels == index, hu, affine, axial) for index, name in enumerate(names, start=1)}
+    for measured in report.values():
+        for key in ("axes_slice", "slice_first", "slice_last"):
+            if measured[key] is not None:
+                measured[key] = int(measured[key]) + int(low[axial])
+    return report
 
 
 def _structure(mask: np.ndarray, hu: np.ndarray | None, affine: np.ndarray, axial: int) -> dict:

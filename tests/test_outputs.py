@@ -377,3 +377,23 @@ def test_the_dicom_written_for_an_uneven_series_is_valid_for_dciodvfy(uneven_inf
                                 capture_output=True, text=True, timeout=60)  # fmt: skip
         errors = [line for line in (result.stdout + result.stderr).splitlines() if line.startswith("Error")]
         assert errors == [], (kind, errors)
+
+
+@pytest.mark.parametrize("report", [True, False])
+def test_a_cases_dicom_objects_read_the_series_headers_once(tmp_path, dicom_case, monkeypatch, report):
+    """SEG, RTSTRUCT, SR and the report share one reading of the series (with its pixels when the report needs HU),
+    not one each: on a 512 x 512 x 100 CT each reading is ~0.25 s (python -m benchmarks.bench_outputs)."""
+    import scripts.dicom.ct as ct
+
+    truth, slices, labels = dicom_case
+    readings = []
+    original = ct._read_headers
+    monkeypatch.setattr(ct, "_read_headers", lambda *a: readings.append(a[1]) or original(*a))
+    data = {"case_id": "P1", "pred": prediction(labels), "source": "dicom", "source_path": truth["image_dir"]}
+    out = SaveCased("pred", tmp_path, LABELS, write_rtstruct=True, write_sr=report, write_report=report)(data)
+    assert {"dicom_seg", "rtstruct"} <= set(out["pred_files"]) and ("sr" in out["pred_files"]) == report
+    assert readings == [report], "one reading: with the pixels for the report's HU, else the headers alone"
+    seg = hd.seg.segread(out["pred_files"]["dicom_seg"])
+    frames = seg.PerFrameFunctionalGroupsSequence
+    referenced = {r.ReferencedSOPInstanceUID for f in frames for r in f.DerivationImageSequence[0].SourceImageSequence}
+    assert referenced <= {ds.SOPInstanceUID for ds in slices}

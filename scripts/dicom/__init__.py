@@ -15,7 +15,7 @@ Problems raise :class:`DicomCaseError` with a message that names the file and sa
 from scripts.dicom.case import LABEL_SOURCES, CaseVolumes, read_case
 from scripts.dicom.codes import segment_description
 from scripts.dicom.common import LPS_TO_RAS, RTSTRUCT_STORAGE, SEG_STORAGE, DicomCaseError
-from scripts.dicom.ct import CtSeries, SeriesSource, SliceMap, read_ct_series, scan_ct_series, to_hu
+from scripts.dicom.ct import CtSeries, ScannedSeries, SeriesSource, SliceMap, read_ct_series, scan_ct_series, to_hu
 from scripts.dicom.rtstruct import is_rtstruct, read_rtstruct_labels
 from scripts.dicom.seg import read_seg_labels
 
@@ -27,6 +27,7 @@ __all__ = [
     "CaseVolumes",
     "CtSeries",
     "DicomCaseError",
+    "ScannedSeries",
     "SeriesSource",
     "SliceMap",
     "is_rtstruct",

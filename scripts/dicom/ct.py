@@ -53,6 +53,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import pydicom
@@ -90,6 +91,15 @@ RESCALE_TAGS = ("RescaleSlope", "RescaleIntercept")
 NATIVE_LITTLE_ENDIAN = ("1.2.840.10008.1.2", "1.2.840.10008.1.2.1", "1.2.840.10008.1.2.1.99")
 #: a CT series given as its folder, or as the list of its files (a series found by its headers in any layout)
 SeriesSource = str | Path | Sequence[str | Path]
+
+
+class ScannedSeries(NamedTuple):
+    """A series' headers (each slice as acquired, sorted along the slice normal) and its LPS affine, as
+    :func:`scan_ct_series` returns them. The writers take one in place of the series' folder or files, so the objects
+    of one case read the headers once (:attr:`CtSeries.scanned` gives it with the pixels read)."""
+
+    headers: list[tuple[Path, pydicom.Dataset]]
+    affine: np.ndarray
 
 
 @dataclass(frozen=True)
@@ -141,6 +151,12 @@ class CtSeries:
     patient_id: str
     notes: list[str] = field(default_factory=list)  # files skipped (not CT slices), geometry kept with a remark
     slices: SliceMap | None = None
+    headers: list[tuple[Path, pydicom.Dataset]] = field(default_factory=list, repr=False)  # without their pixels
+
+    @property
+    def scanned(self) -> ScannedSeries:
+        """The headers and affine :func:`scan_ct_series` would read again (for the writers)."""
+        return ScannedSeries(self.headers, self.affine_lps)
 
     @property
     def affine_ras(self) -> np.ndarray:
@@ -152,18 +168,24 @@ class CtSeries:
 
 
 def scan_ct_series(
-    image_dir: SeriesSource, with_pixels: bool = False, notes: list[str] | None = None, resample: bool = False
-) -> tuple[list[tuple[Path, pydicom.Dataset]], np.ndarray]:
+    image_dir: SeriesSource | ScannedSeries,
+    with_pixels: bool = False,
+    notes: list[str] | None = None,
+    resample: bool = False,
+) -> ScannedSeries:
     """The headers of a CT series -- a folder, or its files as :mod:`scripts.dicom.discovery` found them -- sorted
     along the slice normal, and its LPS affine.
 
     Pixel data is not read unless ``with_pixels`` (then each file is read once, its pixels still undecoded). What
     was skipped or kept with a remark is appended to ``notes``. A series at uneven spacing or with a gantry tilt is
     refused unless ``resample`` (see the module docstring); then the affine is that of the equal-step grid
-    :func:`read_ct_series` puts it on, and the headers are still every slice as acquired.
+    :func:`read_ct_series` puts it on, and the headers are still every slice as acquired. A :class:`ScannedSeries`
+    (scanned with ``resample``, without pixels) is returned as it is.
     """
+    if isinstance(image_dir, ScannedSeries):
+        return image_dir
     headers, affine, _ = _scan(image_dir, with_pixels, [] if notes is None else notes, resample)
-    return headers, affine
+    return ScannedSeries(headers, affine)
 
 
 def read_ct_series(image_dir: SeriesSource, resample: bool = False) -> CtSeries:
@@ -195,6 +217,7 @@ def read_ct_series(image_dir: SeriesSource, resample: bool = False) -> CtSeries:
         patient_id=str(ds0.get("PatientID", "")),
         notes=notes,
         slices=slices,
+        headers=headers,
     )
 
 

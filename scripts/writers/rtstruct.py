@@ -31,7 +31,7 @@ import pydicom
 from pydicom.dataset import Dataset, FileMetaDataset
 from pydicom.sr.codedict import codes
 from pydicom.uid import ExplicitVRLittleEndian
-from scripts.dicom import RTSTRUCT_STORAGE, SeriesSource, scan_ct_series, segment_description
+from scripts.dicom import RTSTRUCT_STORAGE, ScannedSeries, SeriesSource, scan_ct_series, segment_description
 from scripts.files import replace_atomically
 from scripts.labels import normalize_name
 from scripts.writers.seg import ALGORITHM_NAME, MANUFACTURER, PATIENT_STUDY_TYPE_2, algorithm_identification
@@ -50,15 +50,20 @@ SERIES_NUMBER_OFFSET = 9100  # the SEG takes the CT's series number + 9000
 
 
 def write_rtstruct(
-    labels: np.ndarray, image_dir: SeriesSource, names: Sequence[str], path: str | Path, algorithm_version: str
+    labels: np.ndarray,
+    image_dir: SeriesSource | ScannedSeries,
+    names: Sequence[str],
+    path: str | Path,
+    algorithm_version: str,
 ) -> pydicom.Dataset:
     """An RTSTRUCT of the label map ``labels`` [X, Y, Z] (on the slices of the series in ``image_dir``), ROI ``i`` =
-    ``names[i - 1]``, written atomically to ``path`` and returned."""
+    ``names[i - 1]``, written atomically to ``path`` and returned. ``image_dir``: the series' folder or files, or its
+    :class:`~scripts.dicom.ScannedSeries`."""
     headers, _ = scan_ct_series(image_dir, resample=True)  # every slice as acquired, whatever its spacing
     slices = [ds for _, ds in headers]
     labels = np.asarray(labels)
     if labels.shape != (int(slices[0].Columns), int(slices[0].Rows), len(slices)):
-        raise ValueError(f"{image_dir}: prediction shape {labels.shape} does not match the series' grid.")
+        raise ValueError(f"{headers[0][0].parent}: prediction shape {labels.shape} does not match the series' grid.")
     if labels.size and int(labels.max()) > len(names):
         raise ValueError(f"{path}: the label map holds label {int(labels.max())} but only {len(names)} names.")
     ds = _structure_set(slices, algorithm_version)

@@ -10,7 +10,7 @@ import highdicom as hd
 import numpy as np
 import pydicom
 from pydicom.sr.codedict import codes
-from scripts.dicom import SeriesSource, scan_ct_series, segment_description
+from scripts.dicom import ScannedSeries, SeriesSource, scan_ct_series, segment_description
 from scripts.files import replace_atomically
 
 ALGORITHM_NAME = "SwinUNETR NSCLC-Radiomics bundle"
@@ -42,7 +42,7 @@ def algorithm_identification(version: str) -> hd.AlgorithmIdentificationSequence
 
 def write_dicom_seg(
     labels: np.ndarray,
-    image_dir: SeriesSource,
+    image_dir: SeriesSource | ScannedSeries,
     names: Sequence[str],
     path: str | Path,
     algorithm: hd.AlgorithmIdentificationSequence,
@@ -53,10 +53,12 @@ def write_dicom_seg(
 
     Frame ``k`` annotates the ``k``-th slice along the slice normal, the order :func:`scan_ct_series` sorts by, so
     every frame references the CT instance it lies on. Segment ``i`` is ``names[i - 1]``; empty frames are omitted.
+    ``image_dir``: the series' folder or files, or its :class:`~scripts.dicom.ScannedSeries` (headers read once for
+    all of a case's objects; the empty Type 2 attributes and a missing SliceThickness are filled in there).
     """
     headers, affine = scan_ct_series(image_dir, resample=True)  # every slice as acquired, whatever its spacing
     if labels.shape != (int(headers[0][1].Columns), int(headers[0][1].Rows), len(headers)):
-        raise ValueError(f"{image_dir}: prediction shape {labels.shape} does not match the series' grid.")
+        raise ValueError(f"{headers[0][0].parent}: prediction shape {labels.shape} does not match the series' grid.")
     source = with_type_2([ds for _, ds in headers])
     for (
         ds

@@ -24,7 +24,7 @@ import highdicom as hd
 import numpy as np
 import pydicom
 from pydicom.sr.codedict import codes
-from scripts.dicom import SEG_STORAGE, SeriesSource, scan_ct_series, segment_description
+from scripts.dicom import SEG_STORAGE, ScannedSeries, SeriesSource, scan_ct_series, segment_description
 from scripts.files import replace_atomically
 from scripts.labels import normalize_name
 from scripts.writers.seg import ALGORITHM_NAME, MANUFACTURER, with_type_2
@@ -36,7 +36,7 @@ SERIES_NUMBER_OFFSET = 9200  # the SEG takes the CT's series number + 9000, the 
 
 def write_sr(
     report: dict[str, dict],
-    ct: SeriesSource | Sequence[pydicom.Dataset],
+    ct: SeriesSource | ScannedSeries | Sequence[pydicom.Dataset],
     seg: pydicom.Dataset | str | Path | None,
     path: str | Path,
     algorithm_version: str,

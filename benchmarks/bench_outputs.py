@@ -1,0 +1,201 @@
+"""Benchmark of the seconds around the network: a chest CT through ``configs/inference.yaml`` with every output on
+(NIfTI, DICOM SEG, RTSTRUCT, SR, the tumour report and its picture), the network replaced by an oracle.
+
+The case is the chest phantom of :func:`scripts.synthetic.write_chest_case` (512 x 512 x 100 of 0.98 mm, 3 mm
+slices, as DICOM, the tumour of ``--pathology``). The oracle gives, inside the thorax region the shipped inferer finds,
+the logits a trained network gives on it: sure tumour inside the phantom's analytic tumour, falling off over a few mm
+at its surface, sure background elsewhere, and one small false-positive blob 30 mm away that the largest-component
+step must remove. Everything else is the shipped pipeline: the reading, the preprocessing, the region, the
+post-processing (softmax, inversion onto the CT's grid, argmax, largest component) and every writer. So the table is
+what a case costs besides its network, stage by stage and transform by transform, in seconds::
+
+    python -m benchmarks.bench_outputs [--slices 100] [--pathology none] [--repeats 3] [--output_dir DIR]
+
+Each repeat runs the case again in the same process (the first pays Python's and the libraries' first calls, and is
+reported apart). It also checks what was written: the label map's tumour volume against the phantom's analytic one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import cProfile
+import json
+import pstats
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from scripts.inferers import FallbackSlidingWindowInferer
+
+ROOT = Path(__file__).resolve().parents[1]
+#: the oracle's false positive: a sphere of this radius (mm), this far (mm, LPS) from the tumour's centre
+BLOB_RADIUS_MM, BLOB_OFFSET_MM = 5.0, (0.0, 0.0, 30.0)
+
+
+class OracleInferer(FallbackSlidingWindowInferer):
+    """The shipped inferer (its region, its placement of the region's output in the whole grid) with the windows'
+    network replaced by logits computed from the phantom's truth at each voxel's centre in LPS mm."""
+
+    def __init__(self, truth: dict, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.truth = truth
+        self._whole: torch.Tensor | None = None
+
+    def __call__(self, inputs: torch.Tensor, network: Any, *args: Any, **kwargs: Any):
+        self._whole = inputs
+        return super().__call__(inputs, network, *args, **kwargs)
+
+    def _run(self, inputs: torch.Tensor, network: Any, *args: Any, **kwargs: Any):
+        if self._whole is not None and tuple(inputs.shape) == tuple(self._whole.shape):
+            return self._logits(self._whole, tuple(slice(0, n) for n in inputs.shape[2:]))
+        return torch.zeros((inputs.shape[0], 2, *inputs.shape[2:]))  # replaced by _place below
+
+    def _place(self, output: torch.Tensor, box: Any, inputs: torch.Tensor) -> torch.Tensor:
+        full = super()._place(output, box, inputs)
+        full[(slice(None), slice(None), *box.slices())] = self._logits(inputs, box.slices())
+        return full
+
+    def _logits(self, inputs: torch.Tensor, box: tuple[slice, ...]) -> torch.Tensor:
+        ras = np.asarray(inputs.affine, float).reshape(-1, 4, 4)[0]
+        axes = [np.arange(s.start, s.stop, dtype=float) for s in box]
+        grid = np.stack(np.meshgrid(*axes, indexing="ij"), axis=-1)
+        lps = (grid @ ras[:3, :3].T + ras[:3, 3]) * np.array([-1.0, -1.0, 1.0])
+        centre = np.asarray(self.truth["tumour_centre_lps"], float)
+        radii = np.asarray(self.truth["tumour_radii_mm"], float)
+        inside = 1.0 - np.sqrt((((lps - centre) / radii) ** 2).sum(-1))  # > 0 inside, ~ mm / radius outside
+        blob = 1.0 - np.linalg.norm(lps - centre - np.asarray(BLOB_OFFSET_MM), axis=-1) / BLOB_RADIUS_MM
+        tumour = np.clip(np.maximum(inside * radii.mean(), blob * BLOB_RADIUS_MM) * 2.0, -12.0, 12.0)
+        logits = np.stack([np.zeros_like(tumour), tumour])[None].astype(np.float32)
+        return torch.from_numpy(logits)
+
+
+def main(
+    slices: int = 100, pathology: str = "none", repeats: int = 3, output_dir: str | None = None, profile: bool = False
+) -> dict:
+    """Write the case, run it ``repeats`` + 1 times, print the seconds per stage and per transform (``profile``: and
+    cProfile's 40 costliest calls of the last run)."""
+    from monai.bundle import ConfigWorkflow
+    from scripts.synthetic import write_chest_case
+
+    folder = Path(output_dir) if output_dir else Path(tempfile.mkdtemp(prefix="bench_outputs_"))
+    try:
+        truth = write_chest_case(folder / "in", "P1", (512, 512, int(slices)), pathology=pathology, seed=3)
+        weights = _weights(folder / "models" / "model.pt")
+        runs = []
+        for repeat in range(int(repeats) + 1):
+            out = folder / "out" / str(repeat)
+            workflow = ConfigWorkflow(config_file=str(ROOT / "configs" / "inference.yaml"), workflow_type=None,
+                                      bundle_root=str(ROOT), input_dir=str(folder / "in"), output_dir=str(out),
+                                      model_path=str(weights), inference_backend="torch", num_workers=0,
+                                      feature_size=12)  # fmt: skip
+            workflow.initialize()
+            parser = workflow.parser
+            settings = dict(parser["sliding_window_inferer"])  # the shipped inferer's settings, resolved below
+            kwargs = {k: parser.get_parsed_content(f"sliding_window_inferer#{k}") for k in settings if k != "_target_"}
+            parser["sliding_window_inferer"] = OracleInferer(truth, **kwargs)
+            transforms = _timed(parser)
+            profiler = cProfile.Profile() if profile and repeat == repeats else None
+            start = time.perf_counter()
+            with profiler or contextlib.nullcontext():
+                workflow.run()
+            total = time.perf_counter() - start
+            if profiler is not None:
+                pstats.Stats(profiler).sort_stats("cumulative").print_stats(
+                    "scripts|pydicom|highdicom|PIL|nibabel|matplotlib", 45
+                )
+            workflow.finalize()
+            (case,) = json.loads((out / "inference_report.json").read_text())["cases"]
+            if case.get("status") != "done":
+                raise RuntimeError(f"the case failed: {case}")
+            runs.append({"total_s": total, "stages": case["stage_seconds"], "transforms": dict(transforms),
+                         "tumour_ml": _tumour_ml(out / "P1" / "P1_report.json")})  # fmt: skip
+        result = _summary(runs, truth)
+        print(format_result(result))
+        return result
+    finally:
+        if not output_dir:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _weights(path: Path) -> Path:
+    """Weights for the (unused) network the bundle loads and records: SwinUNETR f12, with the labels they are for."""
+    from monai.networks.nets import SwinUNETR
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(SwinUNETR(in_channels=1, out_channels=2, feature_size=12).state_dict(), path)
+    path.with_suffix(".json").write_text(json.dumps({"labels": ["GTV-1"]}))
+    return path
+
+
+def _timed(parser: Any) -> dict[str, float]:
+    """Wrap each post-processing transform (the list the evaluator's post-processing is built from) so its seconds add
+    up under its class name; the writers' seconds are the report's ``write`` stage."""
+    seconds: dict[str, float] = {}
+    transforms = parser.get_parsed_content("trained_postprocessing")  # resolved once: the evaluator gets this list
+    for i, transform in enumerate(transforms):
+        transforms[i] = _Timed(transform, seconds)
+    return seconds
+
+
+class _Timed:
+    """A transform whose seconds add up in ``seconds`` under its class name; the attributes the evaluator reads
+    (``stage``, ``enabled``) are the transform's."""
+
+    def __init__(self, transform: Any, seconds: dict[str, float]) -> None:
+        self._transform, self._seconds = transform, seconds
+        self._name = type(transform).__name__
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transform, name)
+
+    def __call__(self, data: Any) -> Any:
+        clock = time.perf_counter()
+        try:
+            return self._transform(data)
+        finally:
+            self._seconds[self._name] = self._seconds.get(self._name, 0.0) + time.perf_counter() - clock
+
+
+def _tumour_ml(report_file: Path) -> float:
+    return round(float(json.loads(report_file.read_text())["structures"]["GTV-1"]["volume_ml"]), 2)
+
+
+def _summary(runs: list[dict], truth: dict) -> dict:
+    """The median of the repeats after the first, per stage and per transform; the first run's apart."""
+    warm = runs[1:] or runs
+    stages = sorted({k for r in runs for k in r["stages"]})
+    names = list(dict.fromkeys(k for r in runs for k in r["transforms"]))
+    radii = np.asarray(truth["tumour_radii_mm"], float)
+    return {"repeats": len(warm), "first_total_s": round(runs[0]["total_s"], 2),
+            "total_s": round(statistics.median(r["total_s"] for r in warm), 2),
+            "stages": {k: round(statistics.median(r["stages"].get(k, 0.0) for r in warm), 2) for k in stages},
+            "transforms": {k: round(statistics.median(r["transforms"].get(k, 0.0) for r in warm), 2) for k in names},
+            "tumour_ml": warm[-1]["tumour_ml"], "analytic_tumour_ml": round(4 / 3 * np.pi * radii.prod() / 1000, 2),
+            "postprocess_and_write_s": round(statistics.median(_around(r) for r in warm), 2)}  # fmt: skip
+
+
+def _around(run: dict) -> float:
+    """A run's seconds after the network: post-processing and writing."""
+    return run["stages"].get("postprocess", 0.0) + run["stages"].get("write", 0.0)
+
+
+def format_result(result: dict) -> str:
+    lines = [f"seconds per case (median of {result['repeats']} warm runs; the first run: {result['first_total_s']} s): "
+             f"{result['total_s']} in all, postprocess + write {result['postprocess_and_write_s']}",
+             "| stage | s |", "|---|---|"]  # fmt: skip
+    lines += [f"| {k} | {v:.2f} |" for k, v in result["stages"].items()]
+    lines += ["", "| post-processing transform | s |", "|---|---|"]
+    lines += [f"| {k} | {v:.2f} |" for k, v in result["transforms"].items()]
+    lines.append(f"\ntumour: {result['tumour_ml']} ml written, {result['analytic_tumour_ml']} ml analytic")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    import fire
+
+    fire.Fire(lambda **options: main(**options) and None)

@@ -1,0 +1,177 @@
+"""The fast post-processing against MONAI's own chain (softmax, Invertd, argmax, largest component), voxel for voxel
+and in the metadata the writers read, on CTs whose grids defeat a shortcut: oblique, flipped, anisotropic, a
+structure at the edge of the network's grid (where the fast path must hand over to MONAI), none at all, three classes
+with exact ties, two pieces of tumour. And in mm against the truth it was drawn from: the logits are written from a
+ball's centre in world LPS mm, independently of the code under test."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import nibabel as nib
+import numpy as np
+import pytest
+import torch
+from monai.bundle import ConfigParser
+from monai.data import MetaTensor
+from monai.transforms import Compose, KeepLargestConnectedComponentd
+from scripts.inputs import load_case
+from scripts.postprocess import BoxedLargestComponentd, InvertedLabelsd, fast_postprocessing
+
+ROOT = Path(__file__).resolve().parents[1]
+#: where the tumour and a small second piece are drawn (LPS mm): inside the body, away from the grid's edges
+CENTRE, SMALL = (-2.0, 3.0, -12.0), (14.0, -10.0, -27.0)
+
+
+@pytest.fixture(scope="module")
+def chain():
+    """train.yaml's preprocessing and post-processing, as inference builds them (MONAI's transforms only)."""
+    parser = ConfigParser()
+    parser.read_config(str(ROOT / "configs" / "inference.yaml"))
+    parser.update({"bundle_root": str(ROOT), "spacing": [1.0, 1.0, 3.0]})
+    return parser.get_parsed_content("preprocessing"), parser.get_parsed_content("inverse_postprocessing")
+
+
+def oblique_ras(spacing=(0.8, 0.7, 2.5), degrees=12.0, flip=True) -> np.ndarray:
+    """A CT's RAS affine: turned about S by ``degrees``, in-plane axes flipped as DICOM's LPS reads, anisotropic."""
+    t = np.deg2rad(degrees)
+    rotation = np.array([[np.cos(t), -np.sin(t), 0], [np.sin(t), np.cos(t), 0], [0, 0, 1]])
+    affine = np.eye(4)
+    affine[:3, :3] = rotation @ np.diag([-1.0 if flip else 1.0, -1.0 if flip else 1.0, 1.0]) @ np.diag(spacing)
+    affine[:3, 3] = [30.0, 20.0, -40.0]
+    return affine
+
+
+def write_ct(folder: Path, affine: np.ndarray, shape=(72, 64, 22), fill: bool = False) -> Path:
+    """Air around an elliptic body of soft tissue (so the preprocessing crops), as a NIfTI file; ``fill``: soft tissue
+    everywhere (nothing to crop: the network's grid reaches the CT's edges where it is wider than a window)."""
+    i, j = np.meshgrid(np.arange(shape[0]), np.arange(shape[1]), indexing="ij")
+    body = ((i - shape[0] / 2) / (shape[0] * 0.38)) ** 2 + ((j - shape[1] / 2) / (shape[1] * 0.4)) ** 2 <= 1
+    hu = np.where(body[..., None] | fill, 30.0, -1000.0) * np.ones(shape)
+    path = folder / "ct.nii.gz"
+    nib.save(nib.Nifti1Image(hu.astype(np.int16), affine), path)
+    return path
+
+
+def world_lps(image: MetaTensor) -> np.ndarray:
+    """The LPS mm of each voxel centre of ``image``'s grid, [X, Y, Z, 3] (its affine is RAS)."""
+    affine = np.asarray(image.affine, float)
+    ijk = np.stack(np.meshgrid(*[np.arange(n) for n in image.shape[1:]], indexing="ij"), -1)
+    return (ijk @ affine[:3, :3].T + affine[:3, 3]) * [-1.0, -1.0, 1.0]
+
+
+def ball_logits(lps: np.ndarray, centre, radius: float) -> np.ndarray:
+    """Tumour logits: sure inside a ball, falling off over a few mm at its surface, sure background far away."""
+    distance = np.linalg.norm(lps - np.asarray(centre, float), axis=-1)
+    return np.clip((radius - distance) * 2.0, -12.0, 12.0)
+
+
+def both(chain, tmp_path, logits_of, affine=None, **ct) -> tuple[dict, dict, MetaTensor]:
+    """The preprocessed CT, logits made from its world coordinates, through MONAI's chain and the fast one."""
+    preprocessing, post = chain
+    path = write_ct(tmp_path, oblique_ras() if affine is None else affine, **ct)
+    image = preprocessing({"image": load_case(path, "nifti")})["image"]
+    logits = torch.from_numpy(np.stack(logits_of(world_lps(image))).astype(np.float32))
+    pred = MetaTensor(logits, meta=dict(image.meta))
+    slow = Compose(post)({"image": image, "pred": pred.clone()})
+    fast = Compose(fast_postprocessing(post))({"image": image, "pred": pred.clone()})
+    return slow, fast, image
+
+
+@pytest.fixture
+def handed_over(monkeypatch) -> list:
+    """Whether each call of the fast path computed the labels (an array) or handed over to MONAI's chain (None)."""
+    calls = []
+    original = InvertedLabelsd._labels
+
+    def recorded(self, *args):
+        labels = original(self, *args)
+        calls.append(None if labels is None else "fast")
+        return labels
+
+    monkeypatch.setattr(InvertedLabelsd, "_labels", recorded)
+    return calls
+
+
+def assert_same(slow: dict, fast: dict) -> None:
+    a, b = slow["pred"], fast["pred"]
+    assert isinstance(b, MetaTensor) and b.dtype == a.dtype and b.shape == a.shape
+    assert torch.equal(a.as_tensor(), b.as_tensor()), f"{int((a != b).sum())} voxels differ"
+    assert torch.allclose(a.affine, b.affine) and set(a.meta) == set(b.meta)
+    assert torch.equal(torch.as_tensor(a.meta["original_affine"]), torch.as_tensor(b.meta["original_affine"]))
+
+
+def test_the_fast_path_is_what_inference_runs(chain):
+    steps = fast_postprocessing(chain[1])
+    assert [type(s) for s in steps] == [InvertedLabelsd, BoxedLargestComponentd]
+    assert isinstance(chain[1][-1], KeepLargestConnectedComponentd), "MONAI's own list (MONAI Deploy's) is untouched"
+
+
+@pytest.mark.parametrize("degrees", [0.0, 12.0])
+def test_a_tumour_inside_gives_monais_label_map_and_lies_where_it_was_drawn_in_mm(
+    chain, tmp_path, degrees, handed_over
+):
+    centre, radius = CENTRE, 9.0
+    slow, fast, _ = both(chain, tmp_path, lambda lps: [np.zeros(lps.shape[:3]), ball_logits(lps, centre, radius)],
+                         oblique_ras(degrees=degrees))  # fmt: skip
+    assert_same(slow, fast)
+    assert handed_over == ["fast"]
+    labels = fast["pred"]
+    assert labels.shape[1:] == (72, 64, 22), "on the CT's own grid"
+    found = world_lps(MetaTensor(labels, affine=labels.meta["original_affine"]))[labels[0].numpy() == 1]
+    assert len(found) > 100
+    assert np.linalg.norm(found.mean(0) - centre) < 1.5, "the tumour's centroid within 1.5 mm of the ball's centre"
+    assert np.linalg.norm(found - centre, axis=1).max() < radius + 2.0
+
+
+def test_a_structure_at_the_edge_of_the_networks_grid_hands_over_to_monai(chain, tmp_path, handed_over):
+    def at_the_edge(lps):  # sure tumour along the CT's left edge, which is the network grid's edge too
+        tumour = np.where(lps[..., 0] > lps[..., 0].max() - 4.0, 8.0, -8.0)
+        return [np.zeros(lps.shape[:3]), tumour]
+
+    slow, fast, _ = both(chain, tmp_path, at_the_edge, oblique_ras(degrees=0.0), shape=(130, 64, 22), fill=True)
+    assert handed_over == [None], "MONAI's chain ran"
+    assert_same(slow, fast)
+    assert int((fast["pred"] == 1).sum()) > 0
+
+
+def test_no_tumour_anywhere_is_an_empty_map_like_monais(chain, tmp_path, handed_over):
+    slow, fast, _ = both(chain, tmp_path, lambda lps: [np.full(lps.shape[:3], 3.0), np.zeros(lps.shape[:3])])
+    assert_same(slow, fast)
+    assert int(fast["pred"].sum()) == 0 and handed_over == ["fast"]
+
+
+def test_three_classes_with_exact_ties_take_the_first_like_monai(chain, tmp_path, handed_over):
+    def classes(lps):
+        one = ball_logits(lps, CENTRE, 8.0)
+        two = one.copy()  # the same logits as class 1 in the ball: a tie, which argmax gives to class 1
+        two[lps[..., 0] < CENTRE[0]] += 0.5  # but class 2 wins in its right half
+        return [np.zeros(lps.shape[:3]), one, two]
+
+    slow, fast, _ = both(chain, tmp_path, classes)
+    assert_same(slow, fast)
+    assert {1, 2} <= set(torch.unique(fast["pred"]).int().tolist()) and handed_over == ["fast"]
+
+
+def test_two_pieces_keep_the_larger_like_monai(chain, tmp_path, handed_over):
+    def pieces(lps):
+        return [np.zeros(lps.shape[:3]), np.maximum(ball_logits(lps, CENTRE, 9.0), ball_logits(lps, SMALL, 4.0))]
+
+    slow, fast, _ = both(chain, tmp_path, pieces)
+    assert_same(slow, fast)
+    labels = fast["pred"][0].numpy()
+    found = world_lps(MetaTensor(fast["pred"], affine=fast["pred"].meta["original_affine"]))[labels == 1]
+    assert np.linalg.norm(found - SMALL, axis=1).min() > 4.0, "the small piece is gone"
+    assert handed_over == ["fast"]
+
+
+def test_the_boxed_largest_component_equals_monais_on_a_plain_tensor():
+    labels = torch.zeros(1, 30, 30, 10)
+    labels[0, 2:6, 2:6, 2:4] = 1
+    labels[0, 20:28, 20:28, 5:9] = 1
+    labels[0, 10:12, 25:27, 0:2] = 2
+    step = KeepLargestConnectedComponentd("pred", applied_labels=[1, 2], num_components=1, independent=True)
+    expected = step({"pred": labels.clone()})["pred"]
+    np.testing.assert_array_equal(BoxedLargestComponentd(step)({"pred": labels.clone()})["pred"], expected)
+    empty = torch.zeros(1, 5, 5, 5)
+    assert torch.equal(BoxedLargestComponentd(step)({"pred": empty})["pred"], empty)
