@@ -54,6 +54,8 @@ CPU_BACKENDS = ("openvino", "onnxruntime")
 #: (no segfault, no OOM), cause not found; ``--inference_backend openvino`` is ready and measured (docs/performance.md)
 AUTO_ORDER = ("onnxruntime", "openvino")
 PRECISIONS = ("auto", "bf16", "f32")
+#: OpenVINO: at most this many windows run side by side (sw_batch_size, the windows that arrive together, is 4)
+MAX_STREAMS = 4
 #: the ONNX opset of the export: the lowest torch's exporter writes (ONNX Runtime 1.32 runs up to 23)
 OPSET = 18
 #: bump when the way the network is exported changes: every cache is then exported again
@@ -298,20 +300,32 @@ class OnnxNetwork(torch.nn.Module):
 
 class OpenVinoNetwork(torch.nn.Module):
     """The ONNX export compiled by OpenVINO for the CPU, called like the PyTorch network: float32 ``[B, 1, *window]``
-    in, float32 logits out, one window at a time, in ``precision`` (``bf16``: OpenVINO's bf16 inference precision,
-    weights and activations in bf16 with f32 accumulation; ``f32``). The compiled model is cached in
-    ``<model_file>.openvino-<precision>/``; the log says whether it was compiled (and in how many seconds) or loaded."""
+    in, float32 logits out, in ``precision`` (``bf16``: OpenVINO's bf16 inference precision, weights and activations
+    in bf16 with f32 accumulation; ``f32``). The compiled model is cached in ``<model_file>.openvino-<precision>/``;
+    the log says whether it was compiled (and in how many seconds) or loaded.
 
-    def __init__(self, model_file: str | Path, threads: int | None = None, precision: str = "f32") -> None:
+    ``streams``: how many windows of a batch run side by side, the threads shared among them (OpenVINO's streams;
+    None: as many as threads, at most :data:`MAX_STREAMS`). On this project's 2-core machine the chest phantom's 30
+    windows took 51.1 s and 57.2 s in the network with two streams of one thread, 60.3 s with one stream of two
+    threads in between (``python -m benchmarks.bench_inference --cases chest --backends openvino-bf16 --regions
+    thorax``, f48): a window's small layers and reorders keep two threads waiting for each other."""
+
+    def __init__(
+        self, model_file: str | Path, threads: int | None = None, precision: str = "f32", streams: int | None = None
+    ) -> None:
         super().__init__()
         import openvino
 
         self.model_file = Path(model_file)
         self.threads = int(threads) if threads else usable_cpus()
         self.precision = precision
+        self.streams = max(1, min(int(streams) if streams else MAX_STREAMS, self.threads))
         cache = self.model_file.with_name(f"{self.model_file.name}.openvino-{precision}")
-        config = {"INFERENCE_PRECISION_HINT": precision, "INFERENCE_NUM_THREADS": self.threads,
-                  "PERFORMANCE_HINT": "LATENCY"}  # fmt: skip
+        config = {"INFERENCE_PRECISION_HINT": precision, "INFERENCE_NUM_THREADS": self.threads}
+        if self.streams > 1:
+            config.update(PERFORMANCE_HINT="THROUGHPUT", NUM_STREAMS=self.streams)
+        else:
+            config.update(PERFORMANCE_HINT="LATENCY")
         lock = contextlib.nullcontext()
         with contextlib.suppress(OSError):  # a read-only folder: compiled each run, nothing kept
             cache.mkdir(exist_ok=True)
@@ -330,19 +344,28 @@ class OpenVinoNetwork(torch.nn.Module):
                 f"{_sidecar(self.model_file).name} and {cache.name}/, and run again to export it anew."
             ) from err
         self.compile_s = time.perf_counter() - start
-        logger.info("OpenVINO %s on the CPU, %s, %d threads: %s in %.1f s (%s)", openvino.__version__, precision,
-                    self.threads, "loaded" if cached else "compiled", self.compile_s,
+        logger.info("OpenVINO %s on the CPU, %s, %d threads in %d stream(s): %s in %.1f s (%s)", openvino.__version__,
+                    precision, self.threads, self.streams, "loaded" if cached else "compiled", self.compile_s,
                     cache if "CACHE_DIR" in config else "not cached: the folder is read-only")  # fmt: skip
-        self.request = self.compiled.create_infer_request()
+        self.queue = openvino.AsyncInferQueue(self.compiled, self.streams)
+        self._logits: list[np.ndarray | None] = []
+        self.queue.set_callback(self._done)
+
+    def _done(self, request: Any, index: int) -> None:
+        self._logits[index] = np.array(request.get_output_tensor(0).data)  # a copy: the request's buffer is reused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         array = torch.as_tensor(x).detach().to("cpu", torch.float32).numpy()
-        logits = [np.array(self.request.infer({0: np.ascontiguousarray(array[i : i + 1])})[0])
-                  for i in range(array.shape[0])]  # fmt: skip
+        self._logits = [None] * array.shape[0]
+        for i in range(array.shape[0]):  # up to `streams` windows at once, each as its stream is free
+            self.queue.start_async({0: np.ascontiguousarray(array[i : i + 1])}, i)
+        self.queue.wait_all()
+        logits, self._logits = self._logits, []
         return torch.from_numpy(np.concatenate(logits) if len(logits) > 1 else logits[0])
 
     def extra_repr(self) -> str:
-        return f"model_file={self.model_file}, threads={self.threads}, precision={self.precision}"
+        return (f"model_file={self.model_file}, threads={self.threads}, streams={self.streams}, "
+                f"precision={self.precision}")  # fmt: skip
 
 
 def _exclusive(handle: Any) -> None:

@@ -23,6 +23,7 @@ from scripts.backends import (
     OnnxNetwork,
     OpenVinoNetwork,
     native_bf16,
+    onnx_file,
     onnx_network,
     openvino_network,
     resolve,
@@ -109,6 +110,25 @@ def test_openvino_gives_torchs_output_and_loads_its_compiled_model_the_second_ti
             out = backend(x)
             assert out.dtype == torch.float32 and out.shape == expected.shape
             torch.testing.assert_close(out, expected, rtol=tolerance, atol=tolerance)
+
+
+def test_windows_run_side_by_side_in_their_order_and_one_compiled_model_serves_any_number_of_streams(
+    tmp_path, caplog
+):
+    """A batch of windows goes to OpenVINO's streams as each is free; the logits come back in the batch's order."""
+    caplog.set_level(logging.INFO, logger="scripts.backends")
+    network, weights = saved(small_network(0), tmp_path / "model.pt")
+    model_file = onnx_file(network, weights, WINDOW)
+    one = OpenVinoNetwork(model_file, threads=2, precision="f32", streams=1)
+    two = OpenVinoNetwork(model_file, threads=2, precision="f32", streams=2)
+    assert (one.streams, two.streams, OpenVinoNetwork(model_file, threads=1).streams) == (1, 2, 1)
+    messages = [r.getMessage() for r in caplog.records if r.getMessage().startswith("OpenVINO ")]
+    assert "in 1 stream(s): compiled" in messages[0] and "in 2 stream(s): loaded" in messages[1], messages
+    x = torch.rand(5, 1, *WINDOW, generator=torch.Generator().manual_seed(5))  # 5 windows: the last stream waits
+    with torch.no_grad():
+        expected = network(x)
+    for backend in (one, two, two):
+        torch.testing.assert_close(backend(x), expected, rtol=1e-4, atol=1e-4)
 
 
 @NATIVE_BF16
