@@ -112,9 +112,7 @@ def test_openvino_gives_torchs_output_and_loads_its_compiled_model_the_second_ti
             torch.testing.assert_close(out, expected, rtol=tolerance, atol=tolerance)
 
 
-def test_windows_run_side_by_side_in_their_order_and_one_compiled_model_serves_any_number_of_streams(
-    tmp_path, caplog
-):
+def test_windows_run_side_by_side_in_their_order_and_one_compiled_model_serves_any_number_of_streams(tmp_path, caplog):
     """A batch of windows goes to OpenVINO's streams as each is free; the logits come back in the batch's order."""
     caplog.set_level(logging.INFO, logger="scripts.backends")
     network, weights = saved(small_network(0), tmp_path / "model.pt")
