@@ -49,10 +49,9 @@ logger = logging.getLogger(__name__)
 
 BACKENDS = ("torch", "openvino", "onnxruntime", "auto")
 CPU_BACKENDS = ("openvino", "onnxruntime")
-#: what ``auto`` picks on a CPU, the first installed. ONNX Runtime stays first until OpenVINO has run the whole test
-#: suite cleanly: with OpenVINO as the default a pytest worker twice ended without a trace near the end of the suite
-#: (no segfault, no OOM), cause not found; ``--inference_backend openvino`` is ready and measured (docs/performance.md)
-AUTO_ORDER = ("onnxruntime", "openvino")
+#: what ``auto`` picks on a CPU, the first installed: OpenVINO (3x ONNX Runtime's speed in bf16, docs/performance.md),
+#: else ONNX Runtime
+AUTO_ORDER = ("openvino", "onnxruntime")
 PRECISIONS = ("auto", "bf16", "f32")
 #: OpenVINO: at most this many windows run side by side (sw_batch_size, the windows that arrive together, is 4)
 MAX_STREAMS = 4

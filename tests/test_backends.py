@@ -55,7 +55,7 @@ def exports(caplog):
 
 
 def test_auto_is_a_cpu_runtime_on_a_cpu_and_torch_on_a_gpu_and_cpu_runtimes_on_a_gpu_are_refused(monkeypatch):
-    assert resolve("auto", torch.device("cpu")) == "onnxruntime"
+    assert resolve("auto", torch.device("cpu")) == "openvino"
     assert resolve("auto", torch.device("cuda:0")) == "torch"
     assert resolve("TORCH", "cpu") == "torch" and resolve("onnxruntime", "cpu") == "onnxruntime"
     for runtime in ("onnxruntime", "openvino"):
@@ -63,10 +63,10 @@ def test_auto_is_a_cpu_runtime_on_a_cpu_and_torch_on_a_gpu_and_cpu_runtimes_on_a
             resolve(runtime, "cuda:1")
     with pytest.raises(BackendError, match="'tensorrt': choose one of torch, openvino, onnxruntime, auto"):
         resolve("tensorrt", "cpu")
-    monkeypatch.setattr("scripts.backends._available", lambda runtime: runtime == "openvino")
-    assert resolve("auto", "cpu") == "openvino", "without ONNX Runtime, the next CPU runtime"
-    with pytest.raises(BackendError, match="inference_backend=onnxruntime needs `pip install onnxruntime"):
-        resolve("onnxruntime", "cpu")
+    monkeypatch.setattr("scripts.backends._available", lambda runtime: runtime == "onnxruntime")
+    assert resolve("auto", "cpu") == "onnxruntime", "without OpenVINO, the next CPU runtime"
+    with pytest.raises(BackendError, match="inference_backend=openvino needs `pip install openvino"):
+        resolve("openvino", "cpu")
 
 
 def test_precision_auto_is_bf16_only_where_the_cpu_computes_it_natively(monkeypatch):

@@ -157,54 +157,55 @@ def test_the_inference_config_alone_runs_from_another_folder_and_equals_the_laye
     np.testing.assert_array_equal(ours, np.asarray(nib.load(out / case / f"{case}_seg.nii.gz").dataobj))
 
 
-def test_onnxruntime_runs_the_network_on_a_cpu_and_the_reports_name_it(inferred, demo_run):
-    """On a CPU the default backend is ONNX Runtime (the `inferred` run): the network exported once and kept beside
-    the demo's weights gives PyTorch's logits to 1e-3 on a batch of windows, and the SEG's algorithm parameters and
-    the reports name the backend. (Labels through the whole sliding window, an ensemble and TTA: test_backends.py.)"""
+def test_openvino_runs_the_network_on_a_cpu_and_onnx_runtime_runs_the_same_export(inferred, demo_run):
+    """On a CPU the default backend is OpenVINO (the `inferred` run), in bf16 where the CPU computes it natively: the
+    network exported once and kept beside the demo's weights with the compiled model, the log, the reports and the
+    SEG's algorithm parameters naming the backend and the precision. ONNX Runtime, the second CPU runtime, runs the same
+    export to PyTorch's logits within 1e-3 on a batch of windows. (Labels through the whole sliding window, an ensemble
+    and TTA: test_backends.py.)"""
     from monai.networks.nets import SwinUNETR
     from scripts.backends import OnnxNetwork
     from scripts.weights import load_weights
 
-    truths, _, out, _, report, _ = inferred
+    truths, _, out, result, report, _ = inferred
     tmp, _, _ = demo_run
+    precision = "bf16" if cpu_has_bf16() else "f32"
     assert (tmp / "run" / "model.pt.onnx").is_file() and (tmp / "run" / "model.pt.onnx.json").is_file()
+    assert (tmp / "run" / f"model.pt.onnx.openvino-{precision}").is_dir()
+    assert "OpenVINO 2026" in result.stdout + result.stderr and f", {precision}, " in result.stdout + result.stderr
+    assert report["models"]["backend"].startswith("openvino ") and report["models"]["precision"] == precision
+    case = truths[0]["patient_id"]
+    assert json.loads((out / case / f"{case}_report.json").read_text())["models"]["backend"].startswith("openvino")
+    parameters = hd.seg.segread(out / case / f"{case}_seg.dcm").SegmentSequence[0]
+    parameters = parameters.SegmentationAlgorithmIdentificationSequence[0].AlgorithmParameters
+    assert "backend=openvino " in parameters and f"precision={precision}" in parameters
     eager = load_weights(SwinUNETR(in_channels=1, out_channels=2, feature_size=12), tmp / "run" / "model.pt").eval()
     windows = torch.rand(2, 1, 64, 64, 32, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(OnnxNetwork(tmp / "run" / "model.pt.onnx")(windows), eager(windows), rtol=1e-3,
                                    atol=1e-3)  # fmt: skip
-    assert report["models"]["backend"].startswith("onnxruntime ")
-    case = truths[0]["patient_id"]
-    assert json.loads((out / case / f"{case}_report.json").read_text())["models"]["backend"].startswith("onnxruntime")
-    algorithm = hd.seg.segread(out / case / f"{case}_seg.dcm").SegmentSequence[0]
-    assert "backend=onnxruntime " in algorithm.SegmentationAlgorithmIdentificationSequence[0].AlgorithmParameters
 
 
 def test_bf16_and_f32_give_the_same_tumour_on_the_demo_cases_and_a_scanner_sized_ct(inferred, demo_run, tmp_path):
-    """OpenVINO (--inference_backend openvino) and the accuracy guard of bf16: the demo's trained weights on two
-    unseen demo cases and a 512 x 512 CT, in f32 and in bf16: tumour Dice >= 0.99, volumes within 1 %; the compiled
-    models are kept beside the weights and the reports name the backend and the precision."""
+    """The accuracy guard of bf16: the demo's trained weights on two unseen demo cases and a 512 x 512 CT, in bf16
+    (the `inferred` run: OpenVINO's precision where the CPU computes it natively) and in f32 (--cpu_precision f32):
+    tumour Dice >= 0.99, volumes within 1 %; each precision's compiled model is kept beside the weights."""
     if not cpu_has_bf16():
         pytest.skip("this CPU has no native bf16: auto ran f32, nothing to compare")
-    truths, inputs, _, _, _, _ = inferred
+    truths, inputs, bf16_out, _, _, _ = inferred
     tmp, _, _ = demo_run
-    for precision in ("f32", "bf16"):
-        run = bundle_run("inference", "--config_file", configs("inference.yaml", "demo.yaml"), "--input_dir",
-                         str(inputs / "tcia"), "--output_dir", str(tmp_path / precision), "--model_path",
-                         str(tmp / "run" / "model.pt"), "--inference_backend", "openvino", "--cpu_precision", precision,
-                         "--num_workers", "0", "--write_rtstruct", "false", "--write_sr", "false")  # fmt: skip
-        assert run.returncode == 0, run.stderr[-3000:]
-        assert "OpenVINO 2026" in run.stdout + run.stderr and f", {precision}, " in run.stdout + run.stderr
-        models = json.loads((tmp_path / precision / "inference_report.json").read_text())["models"]
-        assert models["backend"].startswith("openvino ") and models["precision"] == precision
-        assert (tmp / "run" / f"model.pt.onnx.openvino-{precision}").is_dir()
-    case = truths[0]["patient_id"]
-    parameters = hd.seg.segread(tmp_path / "bf16" / case / f"{case}_seg.dcm").SegmentSequence[0]
-    parameters = parameters.SegmentationAlgorithmIdentificationSequence[0].AlgorithmParameters
-    assert "backend=openvino " in parameters and "precision=bf16" in parameters
+    run = bundle_run("inference", "--config_file", configs("inference.yaml", "demo.yaml"), "--input_dir",
+                     str(inputs / "tcia"), "--output_dir", str(tmp_path), "--model_path", str(tmp / "run" / "model.pt"),
+                     "--cpu_precision", "f32", "--num_workers", "0", "--write_dicom_seg", "false", "--write_rtstruct",
+                     "false", "--write_sr", "false", "--write_report", "false")  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert json.loads((tmp_path / "inference_report.json").read_text())["models"]["precision"] == "f32"
+    assert (tmp / "run" / "model.pt.onnx.openvino-f32").is_dir() and (
+        tmp / "run" / "model.pt.onnx.openvino-bf16"
+    ).is_dir()
     for case in [t["patient_id"] for t in truths] + [CHEST]:
-        bf16_map = np.asarray(nib.load(tmp_path / "bf16" / case / f"{case}_seg.nii.gz").dataobj) > 0
-        f32_map = np.asarray(nib.load(tmp_path / "f32" / case / f"{case}_seg.nii.gz").dataobj) > 0
+        bf16_map = np.asarray(nib.load(bf16_out / case / f"{case}_seg.nii.gz").dataobj) > 0
+        f32_map = np.asarray(nib.load(tmp_path / case / f"{case}_seg.nii.gz").dataobj) > 0
         assert f32_map.sum() > 100, f"{case}: the demo network finds the tumour"
         assert dice(bf16_map, f32_map) >= 0.99, case
         assert abs(int(bf16_map.sum()) - int(f32_map.sum())) <= 0.01 * f32_map.sum(), case
