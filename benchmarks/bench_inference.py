@@ -173,6 +173,7 @@ def infer(inputs: str, out: str, weights: str, backend: str, threads: str = "", 
     """(Child process) configs/inference.yaml alone on ``inputs`` with ``backend`` (``openvino-bf16``: OpenVINO in
     that precision); prints one JSON line with the times."""
     from monai.bundle import ConfigWorkflow
+    from scripts.backends import prepare
 
     settings = {"cpu_threads": int(threads)} if str(threads).strip() else {}
     backend, _, precision = backend.partition("-")
@@ -184,7 +185,8 @@ def infer(inputs: str, out: str, weights: str, backend: str, threads: str = "", 
                               write_sr=False, write_report=False, **settings)  # fmt: skip
     workflow.initialize()
     start = time.perf_counter()
-    network = workflow.parser.get_parsed_content("network")  # CPU runtimes: exported, compiled here if not cached
+    network = workflow.parser.get_parsed_content("network")
+    prepare(network)  # CPU runtimes: exported and compiled here if not cached
     setup = time.perf_counter() - start
     forward: list[float] = []
     windows: list[int] = []

@@ -36,7 +36,7 @@ import logging
 import shutil
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -365,6 +365,39 @@ class OpenVinoNetwork(torch.nn.Module):
     def extra_repr(self) -> str:
         return (f"model_file={self.model_file}, threads={self.threads}, streams={self.streams}, "
                 f"precision={self.precision}")  # fmt: skip
+
+
+class LazyNetwork(torch.nn.Module):
+    """A CPU runtime's network (:func:`openvino_network`, :func:`onnx_network`) made when it is first called, or by
+    :func:`prepare`: the export and the compilation take ~40 s for f48, and MONAI's tools build the evaluator only to
+    inspect a config (``initialize``, the model zoo's property check), where nothing should be exported. The runs
+    themselves call :func:`prepare` before the first case, so an export that fails ends the run there."""
+
+    def __init__(self, make: Callable[[], torch.nn.Module], description: str) -> None:
+        super().__init__()
+        self._make, self.description = make, description
+        self.network: torch.nn.Module | None = None
+
+    def prepare(self) -> torch.nn.Module:
+        if self.network is None:
+            self.network = self._make()
+            self._make = None  # the PyTorch network it was made from (its weights) can go
+        return self.network
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.prepare()(x)
+
+    def extra_repr(self) -> str:
+        return self.description if self.network is None else ""
+
+
+def prepare(network: torch.nn.Module) -> torch.nn.Module:
+    """``network`` with every :class:`LazyNetwork` in it (an ensemble's members) made now; returned for the configs'
+    run lists (``$@scripts.backends.prepare(@network)``)."""
+    for module in list(network.modules()):
+        if isinstance(module, LazyNetwork):
+            module.prepare()
+    return network
 
 
 def _exclusive(handle: Any) -> None:

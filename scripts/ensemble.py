@@ -20,6 +20,7 @@ one pass over the windows.
 from __future__ import annotations
 
 import copy
+import functools
 import importlib.metadata
 import itertools
 import json
@@ -31,7 +32,7 @@ from pathlib import Path
 
 import torch
 from monai.transforms import KeepLargestConnectedComponentd
-from scripts.backends import onnx_network, openvino_network
+from scripts.backends import LazyNetwork, onnx_network, openvino_network
 from scripts.files import file_sha256
 from scripts.postprocess import fast_postprocessing
 from scripts.weights import load_weights
@@ -194,7 +195,7 @@ def ensemble(
     ``backend="openvino"`` or ``"onnxruntime"``: each model is run by that CPU runtime instead
     (:mod:`scripts.backends`: exported once per weights file at the sliding ``window``'s shape, cached in
     ``cache_dir`` or beside the weights, ``threads`` intra-op threads; OpenVINO in ``precision``), inside the same
-    ensemble and TTA."""
+    ensemble and TTA; each made when first called or by :func:`scripts.backends.prepare` (the runs call it first)."""
     flips = mirror_flips(tta_axes)
     members = []
     for i, path in enumerate(models.paths):
@@ -203,9 +204,10 @@ def ensemble(
             if window is None:
                 raise ValueError(f"backend {backend}: give the sliding window's shape (window=roi_size).")
             if backend == "openvino":
-                member = openvino_network(member, path, window, cache_dir, threads, precision)
+                make = functools.partial(openvino_network, member, path, window, cache_dir, threads, precision)
             else:
-                member = onnx_network(member, path, window, cache_dir, threads)
+                make = functools.partial(onnx_network, member, path, window, cache_dir, threads)
+            member = LazyNetwork(make, f"{backend} {precision}: {path}, exported and compiled when first used")
         members.append(member)
     if len(members) == 1 and len(flips) == 1:
         return members[0]

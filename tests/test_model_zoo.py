@@ -84,8 +84,8 @@ def test_verify_data_shape_on_the_inference_config_alone(zoo, monkeypatch, caplo
 
 def test_the_inference_config_alone_has_monais_inference_properties(zoo, monkeypatch):
     """verify_bundle's property check: create_workflow (which runs initialize) on the inference config alone, with the
-    zoo's settings only: it builds the evaluator, so the network with its weights, on this CPU by ONNX Runtime (the
-    default backend), which exports them first."""
+    zoo's settings only: it builds the evaluator, so the network with its weights (checked), and nothing more: the
+    CPU runtime's export and compilation wait for a run (scripts.backends.prepare), none is written here."""
     from monai.bundle import create_workflow
 
     monkeypatch.chdir(zoo)
@@ -97,13 +97,14 @@ def test_the_inference_config_alone_has_monais_inference_properties(zoo, monkeyp
                                meta_file=f"{bundle}/configs/metadata.json")  # fmt: skip
     assert workflow.check_properties() == []
     assert not (zoo / bundle / "runs").exists(), "initialize writes nothing"
+    assert not list((zoo / bundle / "models").glob("*.onnx*")), "and exports nothing"
 
 
 @pytest.fixture(scope="module")
 def zoo_run(zoo, tiny_data) -> Path:
     """The zoo's unit-test pattern, from the zoo's root with the bundle on sys.path: train with configs/train.json and
     its overrides (one tiny epoch of the demo-sized network), evaluate with train.json + evaluate as a "train" workflow
-    (its test_eval_config), infer with configs/inference.yaml ALONE -- each on the default backend (ONNX Runtime on
+    (its test_eval_config), infer with configs/inference.yaml ALONE -- each on the default backend (OpenVINO on
     this CPU): no setting the zoo would not pass."""
     with pytest.MonkeyPatch.context() as patch:
         patch.chdir(zoo)
