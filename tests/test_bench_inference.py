@@ -7,19 +7,28 @@ from __future__ import annotations
 from benchmarks.bench_inference import format_report, main, window_gflop
 
 
-def test_the_benchmark_prints_a_row_per_case_and_backend(tmp_path, capsys, monkeypatch):
-    """Each run is the child's function, called here in this process (the child process only isolates its RSS)."""
+def test_the_benchmark_prints_a_row_per_case_and_backend(tmp_path, monkeypatch):
+    """Each run is the child's function, called here in this process (the child process only isolates its RSS). What
+    it prints goes to a buffer of this test's own, not to pytest's capsys: the workflow's logging set-up (and torch's,
+    when it first logs) binds handlers to the stdout of the moment, and capsys closes its stream when the test ends,
+    under the handlers the next test logs through ("I/O operation on closed file")."""
+    import contextlib
+    import io
     import json
 
     import benchmarks.bench_inference as bench
 
+    printed = io.StringIO()  # left open: handlers bound to it stay harmless
+
     def in_this_process(inputs, out, weights, backend, threads, network) -> dict:
+        start = printed.tell()
         bench.infer(str(inputs), str(out), str(weights), backend, str(threads or ""), json.dumps(network))
-        return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        return json.loads(printed.getvalue()[start:].strip().splitlines()[-1])
 
     monkeypatch.setattr(bench, "_child", in_this_process)
-    report = main(cases="tiny", backends="torch", regions="body,thorax", feature_size=12, roi_size=(64, 64, 32),
-                  spacing=(4.0, 4.0, 9.0), output_dir=str(tmp_path))  # fmt: skip
+    with contextlib.redirect_stdout(printed):
+        report = main(cases="tiny", backends="torch", regions="body,thorax", feature_size=12, roi_size=(64, 64, 32),
+                      spacing=(4.0, 4.0, 9.0), output_dir=str(tmp_path))  # fmt: skip
     body, thorax = report["rows"]
     assert (body["region"], thorax["region"]) == ("body", "thorax") and body["vs_torch"] == thorax["vs_torch"] == 1.0
     for row in (body, thorax):
@@ -29,7 +38,7 @@ def test_the_benchmark_prints_a_row_per_case_and_backend(tmp_path, capsys, monke
     assert thorax["windows"] < body["windows"] == body["windows_whole_input"], "the arms and abdomen are left out"
     agreement = report["agreement"]["tiny"]  # random weights: the windows' placement changes their output
     assert agreement["backends"] is None and 0.5 < agreement["regions_in_box"] <= 1.0
-    assert "| tiny (128x128x40) | torch | thorax |" in capsys.readouterr().out
+    assert "| tiny (128x128x40) | torch | thorax |" in printed.getvalue()
     assert (tmp_path / "out" / "tiny_torch_thorax" / "P1" / "P1_seg.nii.gz").is_file()
 
 
