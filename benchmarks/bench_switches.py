@@ -16,6 +16,7 @@ memory with 16 patches on a smaller card) is recorded and the next one runs. Eac
 
 from __future__ import annotations
 
+import ast
 import gc
 import json
 import logging
@@ -98,7 +99,7 @@ def run_rows(
         print(f"--- {name}", flush=True)
         parser = ConfigParser()
         parser.read_config([str(c) for c in configs])
-        parser.update({**settings, "output_dir": str(folder), **switches})
+        parser.update({**settings, "output_dir": str(folder), **overrides(name)})
         try:
             parser.get_parsed_content("initialize")
             parser.get_parsed_content("scripts")
@@ -110,6 +111,8 @@ def run_rows(
             parser.get_parsed_content("run")
             if key and key not in shared:
                 shared[key] = parser.get_parsed_content("train#dataloader").dataset
+            if not (folder / "benchmark.json").is_file():  # the engine caught an error (a transform's) and ended
+                raise RuntimeError(f"the run ended without {folder / 'benchmark.json'}: the log above says why")
             record["report"] = json.loads((folder / "benchmark.json").read_text())
         except Exception as error:  # one row's failure (out of memory, a compiler error) must not end the others
             record.update(status="failed", error=f"{type(error).__name__}: {error}",
@@ -123,6 +126,20 @@ def run_rows(
         if progress:
             progress(records)
     return records
+
+
+def overrides(name: str) -> dict[str, Any]:
+    """The set's overrides as ``monai.bundle run`` gets them from its command line: fire reads each value as a
+    Python literal where it is one ("8" -> 8) and as a string otherwise ("true", "bfloat16"). Passed on as strings,
+    a count broke the config's arithmetic (``@batch_size * @num_samples`` with "8": the H200 run of 2026-11-27)."""
+    return {key: _as_literal(value) for key, value in SWITCH_SETS[name][0].items()}
+
+
+def _as_literal(value: str) -> Any:
+    try:
+        return ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        return value
 
 
 def _cache_key(parser) -> str | None:

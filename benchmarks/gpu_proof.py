@@ -436,6 +436,8 @@ class Kit:
             "preload_s": self.runner.preload_s, "environment": self.environment(),
             "counts": {s: statuses.count(s) for s in ("ok", "failed", "skipped")},
             "steps": list(self.records.values()), "throughput": throughput_rows(self.records),
+            "throughput_not_run": [r for r in self.records.get("throughput", {}).get("numbers", {}).get("rows", [])
+                                   if r["status"] != "ok"],
             "fullct_inference": fullct_rows(self.records), "targets": targets(self),
         }  # fmt: skip
 
@@ -916,6 +918,10 @@ def format_markdown(report: dict[str, Any]) -> str:
                 f"{r['ms_per_step']:.0f} | {r['patches_per_s']:.2f} | {r['data_wait_percent']:.1f} % | {busy} | "
                 f"{share} | {r['peak_memory_gib']:.2f} | {r['first_step_s'] or 'n/a'} | {ratio} |"
             )
+    others = report.get("throughput_not_run", [])
+    if others:  # a failed or skipped row says so in the table's file too, not only in the JSON
+        lines += ["", "Throughput rows that did not run:"]
+        lines += [f"- {r['loop']}: {r['status']}: {str(r.get('reason') or '')[:200]}" for r in others]
     if report["fullct_inference"]:
         lines += [
             "",
@@ -992,12 +998,13 @@ def helper_network(out: str, settings: str | dict) -> None:
     parser.read_config(str(ROOT / "configs" / "train.yaml"))
     parser.update(json.loads(settings) if isinstance(settings, str) else settings)  # fire decodes JSON itself
     network = parser.get_parsed_content("network_def")
-    weights = Path(parser["model_path"])
+    # parsed, not read raw: train.yaml's ids may be references (num_samples is one to displayable_configs)
+    weights = Path(parser.get_parsed_content("model_path"))
     atomic_save(network.state_dict(), weights)
-    write_json(sidecar_of(weights), {"labels": list(parser["labels"])})
+    write_json(sidecar_of(weights), {"labels": list(parser.get_parsed_content("labels"))})
     device = parser.get_parsed_content("device")
-    roi = [int(r) for r in parser["roi_size"]]
-    patches = int(parser["batch_size"]) * int(parser["num_samples"])
+    roi = [int(r) for r in parser.get_parsed_content("roi_size")]
+    patches = int(parser.get_parsed_content("batch_size")) * int(parser.get_parsed_content("num_samples"))
     network = network.to(device).train()
     batch = torch.rand(patches, 1, *roi, device=device)
     precision = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()

@@ -14,8 +14,10 @@ cd "$(git rev-parse --show-toplevel)"
 grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
 rm -rf .whl && mkdir -p .whl
 # every requirement but what the image has, plus the few dependencies of theirs it lacks (highdicom -> pyjpegls,
-# fire -> termcolor, nibabel -> importlib_resources, dicomweb-client -> retrying); --no-deps keeps torch out
-image='^(torch|numpy|scipy|pillow|matplotlib|tensorboard|einops|pyyaml|tqdm|nvidia-ml-py|lazy-loader|onnx|onnxruntime|onnxscript|pytest|requests)\b'
+# fire -> termcolor, nibabel -> importlib_resources, dicomweb-client -> retrying); --no-deps keeps torch out.
+# OpenVINO stays out too: on a GPU `inference_backend: auto` runs the network in PyTorch (OpenVINO is only imported
+# when a CPU run picks it), and its 59 MB wheel alone would pass the 64 MiB a GPU machine's copy of the checkout may hold
+image='^(torch|numpy|scipy|pillow|matplotlib|tensorboard|einops|pyyaml|tqdm|nvidia-ml-py|lazy-loader|onnx|onnxruntime|onnxscript|openvino|pytest|requests)\b'
 { grep -vE '^\s*(#|-r|$)' requirements.txt | sed 's/\s*#.*//' | grep -viE "$image"
   printf '%s\n' pyjpegls termcolor importlib_resources retrying; } > .whl/reqs.txt
 platforms=()

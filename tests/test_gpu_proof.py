@@ -14,11 +14,13 @@ import pytest
 from benchmarks.gpu_proof import (
     COMPILE_SET,
     DEFAULTS_SET,
+    DRY,
     HOST_CACHE_SET,
     SEED_SET,
     STEPS,
     THROUGHPUT_SETS,
     compare_with_key_averages,
+    helper_network,
     peak_bf16_tflops,
     select,
     targets,
@@ -113,12 +115,23 @@ def test_throughput_rows_run_in_one_child_and_claim_no_gpu_number(dry_run):
         assert row["ms_per_step"] > 0 and row["timed_steps"] >= 1 and row["gpu_busy_percent"] is None
         assert row["mfu"] is None and "no GPU" in row["mfu_reason"]
     assert ran[2]["vs_seed"] == 1.0
+    assert "- amp bfloat16: skipped: no GPU" in (out / "gpu_proof.md").read_text(), "the rows that did not run say so"
     log = (out / "logs" / "throughput.log").read_text()
     # each build starts one progress bar at 0 % (tqdm may print its end twice when a refresh meets the close)
     assert log.count("Loading dataset:   0%") == 1, "the host cache is built once and shared by the next row"
     cases = report["fullct_inference"]
     assert [c["warm"] for c in cases] == [False, True] and all(c["windows"] >= 1 and "predict" in c for c in cases)
     assert all(verdict.startswith("unmeasured") for verdict in report["targets"].values())
+
+
+def test_the_network_step_reads_train_yamls_own_patch_count(tmp_path):
+    """The dry run overrides num_samples; the GPU run does not, and train.yaml's is a reference
+    (``@displayable_configs#num_samples``): read raw, it ended the H200 run's network step. Without the override the
+    step counts train.yaml's 4 patches (here on the dry run's small network)."""
+    settings = {k: v for k, v in DRY.settings.items() if k != "num_samples"} | {"model_path": str(tmp_path / "m.pt")}
+    helper_network(str(tmp_path / "network.json"), settings)
+    numbers = json.loads((tmp_path / "network.json").read_text())
+    assert numbers["patches_per_step"] == 4 and (tmp_path / "m.pt").is_file()
 
 
 def test_targets_read_the_right_rows():
