@@ -25,7 +25,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from monai.data import CacheDataset, DataLoader, Dataset, MetaTensor, PersistentDataset, ThreadDataLoader
+from monai.data import CacheDataset, DataLoader, Dataset, MetaTensor, PersistentDataset
+from monai.data import ThreadDataLoader as MonaiThreadDataLoader
+from monai.data.thread_buffer import ThreadBuffer
 from monai.engines import default_prepare_batch
 from monai.transforms import MapTransform
 from scripts.config import ConfigError, as_bool
@@ -191,6 +193,42 @@ def make_loader(
         return ThreadDataLoader(dataset, num_workers=num_workers, **common)
     persistent = as_bool(persistent_workers, "persistent_workers") and num_workers > 0
     return DataLoader(dataset, num_workers=num_workers, persistent_workers=persistent, **common)
+
+
+class RaisingThreadBuffer(ThreadBuffer):
+    """MONAI's ``ThreadBuffer`` whose thread hands its error to the loop that reads it.
+
+    MONAI's thread dies on an exception and its reader ends as if the data were exhausted: a transform failing on a
+    case gave an empty epoch, and the trainer ran on through every remaining epoch without a step (the H200 run of
+    2026-11-27: 2,002 tracebacks, no training, no error). Here the error is kept and raised in the reader."""
+
+    def __init__(self, src, buffer_size: int = 1, timeout: float = 0.01) -> None:
+        super().__init__(src, buffer_size=buffer_size, timeout=timeout)
+        self.error: Exception | None = None
+
+    def enqueue_values(self) -> None:
+        try:
+            super().enqueue_values()
+        except Exception as error:  # handed over to __iter__, which raises it in the reading thread
+            self.error = error
+
+    def __iter__(self):
+        self.error = None
+        yield from super().__iter__()
+        if self.error is not None:
+            raise self.error
+
+
+class ThreadDataLoader(MonaiThreadDataLoader):
+    """MONAI's ``ThreadDataLoader`` (batches made in a background thread) with :class:`RaisingThreadBuffer`: an error
+    in a transform ends the epoch with that error, as in a ``DataLoader``, instead of an empty epoch."""
+
+    def __iter__(self):
+        buffer = RaisingThreadBuffer(super(MonaiThreadDataLoader, self).__iter__(), self.buffer_size,
+                                     self.buffer_timeout)  # fmt: skip
+        for batch in buffer:
+            for _ in range(self.repeats):
+                yield batch
 
 
 def plain_tensor_batch(batchdata, device=None, non_blocking: bool = False, **kwargs):

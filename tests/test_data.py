@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from monai.bundle import ConfigParser
-from monai.data import CacheDataset, DataLoader, Dataset, MetaTensor, PersistentDataset, ThreadDataLoader
+from monai.data import CacheDataset, DataLoader, Dataset, MetaTensor, PersistentDataset
 from monai.transforms import Compose, RandCropByPosNegLabeld
 from scripts.config import ConfigError
 from scripts.data import (
@@ -18,6 +18,7 @@ from scripts.data import (
     STEP_BASE_GIB,
     STEP_GIB_PER_PATCH,
     CompactForCropd,
+    ThreadDataLoader,
     cached_bytes,
     choose_cache,
     loader_workers,
@@ -158,6 +159,28 @@ def test_loaders():
     workers = make_loader(dataset, num_workers=2, persistent_workers="true")
     assert type(workers) is DataLoader and workers.persistent_workers
     assert not make_loader(dataset, num_workers=0).persistent_workers
+
+
+def _fails_on(bad: int):
+    def transform(item: dict) -> dict:
+        if item["x"] == bad:
+            raise ValueError(f"case {bad} is broken")
+        return item
+
+    return transform
+
+
+@pytest.mark.parametrize("settings", [{"cache": "gpu"}, {"thread_loader": "true", "num_workers": 1}])
+def test_a_transform_error_in_the_loaders_thread_ends_the_epoch_with_that_error(settings):
+    """MONAI's ThreadDataLoader ended the epoch silently when its thread died (the H200 run: a training of empty
+    epochs); ours raises the error where the batches are read, after the batches before it, like a DataLoader."""
+    loader = make_loader(Dataset(DATA, transform=_fails_on(2)), **settings)
+    seen = []
+    with pytest.raises(RuntimeError, match="applying transform") as raised:
+        for batch in loader:
+            seen += batch["x"].tolist()
+    assert seen == [0, 1] and "case 2 is broken" in f"{raised.value} {raised.value.__cause__}"  # a worker's: text
+    assert [b["x"].tolist() for b in make_loader(Dataset(DATA), **settings)] == [[0], [1], [2], [3]], "and reuses"
 
 
 def _parser_like(parser: ConfigParser, **settings) -> ConfigParser:
