@@ -175,3 +175,47 @@ def test_the_boxed_largest_component_equals_monais_on_a_plain_tensor():
     np.testing.assert_array_equal(BoxedLargestComponentd(step)({"pred": labels.clone()})["pred"], expected)
     empty = torch.zeros(1, 5, 5, 5)
     assert torch.equal(BoxedLargestComponentd(step)({"pred": empty})["pred"], empty)
+
+
+@pytest.fixture
+def resampled(monkeypatch) -> list:
+    """The CT voxels each resampling of the fast path produced (its ``spatial_size``: the work it does)."""
+    from scripts import postprocess
+
+    sizes = []
+
+    class Counted(postprocess.SpatialResample):  # only the fast path's: MONAI's chain builds its own
+        def __call__(self, img, *args, spatial_size=None, **kwargs):
+            sizes.append(int(np.prod(spatial_size)))
+            return super().__call__(img, *args, spatial_size=spatial_size, **kwargs)
+
+    monkeypatch.setattr(postprocess, "SpatialResample", Counted)
+    return sizes
+
+
+def test_the_work_is_the_tumours_box_and_never_more_than_the_whole_grid(chain, tmp_path, resampled, handed_over):
+    """Counted, not timed. A 9 mm ball: the voxels resampled lie in the index box of the CT voxels within the ball's
+    radius plus the interpolation's reach (two network voxels and one CT voxel, in mm), computed here from the CT's
+    own grid. Candidates at two opposite corners (the shape that defeats a box): at most the CT grid once, where
+    MONAI's chain resamples it once per class."""
+    radius = 9.0
+    slow, fast, _ = both(chain, tmp_path, lambda lps: [np.zeros(lps.shape[:3]), ball_logits(lps, CENTRE, radius)])
+    assert_same(slow, fast)
+    labels = fast["pred"]
+    ct_lps = world_lps(MetaTensor(labels, affine=labels.meta["original_affine"]))
+    reach = np.linalg.norm([2 * 1.0, 2 * 1.0, 2 * 3.0]) + np.linalg.norm([0.8, 0.7, 2.5])  # network 1x1x3, CT grid
+    near = np.argwhere(np.linalg.norm(ct_lps - CENTRE, axis=-1) <= radius + reach)
+    bound = int(np.prod(near.max(0) - near.min(0) + 1))
+    grid = int(np.prod(labels.shape[1:]))
+    assert len(resampled) == 1 and (labels == 1).sum() <= resampled[0] <= bound < grid / 2, (resampled, bound, grid)
+
+    resampled.clear()
+
+    def corners(lps):  # two small balls near opposite corners of the body, inside the network's grid
+        low, high = lps.reshape(-1, 3).min(0), lps.reshape(-1, 3).max(0)
+        a, b = low + 0.3 * (high - low), high - 0.3 * (high - low)
+        return [np.zeros(lps.shape[:3]), np.maximum(ball_logits(lps, a, 3.0), ball_logits(lps, b, 3.0))]
+
+    slow, fast, _ = both(chain, tmp_path, corners)
+    assert_same(slow, fast)
+    assert handed_over[-1] == "fast" and len(resampled) == 1 and grid / 4 < resampled[0] <= grid, (resampled, grid)
