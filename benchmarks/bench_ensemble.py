@@ -80,14 +80,13 @@ def _write_weights(folder: Path, models: int) -> Path:
     """``models`` random initialisations of the demo network as cross-validation folds (with their labels)."""
     import torch
     from monai.networks.nets import SwinUNETR
+    from scripts.weights import save_weights
 
     for fold in range(models):
         path = folder / f"fold_{fold}" / "model.pt"
         if not path.is_file():
             torch.manual_seed(fold)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            torch.save(SwinUNETR(in_channels=1, out_channels=2, feature_size=12).state_dict(), path)
-            path.with_suffix(".json").write_text(json.dumps({"labels": ["GTV-1"]}))
+            save_weights(SwinUNETR(in_channels=1, out_channels=2, feature_size=12), path, ["GTV-1"])
     return folder
 
 

@@ -136,11 +136,10 @@ def _write_weights(path: Path, feature_size: int) -> Path:
     if not path.is_file():
         import torch
         from monai.networks.nets import SwinUNETR
+        from scripts.weights import save_weights
 
         torch.manual_seed(0)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(SwinUNETR(in_channels=1, out_channels=2, feature_size=feature_size).state_dict(), path)
-        path.with_suffix(".json").write_text(json.dumps({"labels": ["GTV-1"]}))
+        save_weights(SwinUNETR(in_channels=1, out_channels=2, feature_size=feature_size), path, ["GTV-1"])
     return path
 
 

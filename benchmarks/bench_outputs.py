@@ -125,11 +125,9 @@ def main(
 def _weights(path: Path) -> Path:
     """Weights for the (unused) network the bundle loads and records: SwinUNETR f12, with the labels they are for."""
     from monai.networks.nets import SwinUNETR
+    from scripts.weights import save_weights
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(SwinUNETR(in_channels=1, out_channels=2, feature_size=12).state_dict(), path)
-    path.with_suffix(".json").write_text(json.dumps({"labels": ["GTV-1"]}))
-    return path
+    return save_weights(SwinUNETR(in_channels=1, out_channels=2, feature_size=12), path, ["GTV-1"])
 
 
 def _timed(parser: Any) -> dict[str, float]:

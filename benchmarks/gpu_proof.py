@@ -996,7 +996,7 @@ def helper_network(out: str, settings: str | dict) -> None:
     the forward and the backward over ``batch_size * num_samples`` patches), to ``out``."""
     import torch
     from monai.bundle import ConfigParser
-    from scripts.weights import atomic_save, sidecar_of
+    from scripts.weights import save_weights
     from torch.utils.flop_counter import FlopCounterMode
 
     parser = ConfigParser()
@@ -1004,9 +1004,7 @@ def helper_network(out: str, settings: str | dict) -> None:
     parser.update(json.loads(settings) if isinstance(settings, str) else settings)  # fire decodes JSON itself
     network = parser.get_parsed_content("network_def")
     # parsed, not read raw: train.yaml's ids may be references (num_samples is one to displayable_configs)
-    weights = Path(parser.get_parsed_content("model_path"))
-    atomic_save(network.state_dict(), weights)
-    write_json(sidecar_of(weights), {"labels": list(parser.get_parsed_content("labels"))})
+    weights = save_weights(network, parser.get_parsed_content("model_path"), parser.get_parsed_content("labels"))
     device = parser.get_parsed_content("device")
     roi = [int(r) for r in parser.get_parsed_content("roi_size")]
     patches = int(parser.get_parsed_content("batch_size")) * int(parser.get_parsed_content("num_samples"))

@@ -78,6 +78,16 @@ class BestModelSaver:
         )
 
 
+def save_weights(network: torch.nn.Module, path: str | Path, labels: Sequence[str]) -> Path:
+    """``network``'s weights at ``path`` (atomically) with the sidecar naming the ``labels`` they segment, as
+    :func:`load_weights` reads it: weights of the right shape that no training wrote (tests, benchmarks, the kit)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_save(network.state_dict(), path)
+    write_json(sidecar_of(path), {"labels": list(labels)})
+    return path
+
+
 def sidecar_of(path: str | Path) -> Path:
     """``models/model.pt`` -> ``models/model.json``: what the weights were trained for."""
     return Path(path).with_suffix(".json")

@@ -122,14 +122,9 @@ def tiny_data(tmp_path_factory) -> Iterator[Path]:
 def save_weights(network, path: Path, labels: tuple[str, ...] = ("GTV-1",)) -> Path:
     """``network``'s weights at ``path`` with the sidecar that says what they segment, as training writes them (for
     tests that need weights of the right shape, not trained ones)."""
-    import torch
-    from scripts.files import write_json
-    from scripts.weights import sidecar_of
+    from scripts.weights import save_weights as save
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(network.state_dict(), path)
-    write_json(sidecar_of(path), {"labels": list(labels)})
-    return path
+    return save(network, path, labels)
 
 
 def demo_args(tmp: Path, shrink: bool = True, config_file: str = DEMO, **overrides) -> list[str]:
