@@ -441,8 +441,7 @@ class Kit:
             "preload_s": self.runner.preload_s, "environment": self.environment(),
             "counts": {s: statuses.count(s) for s in ("ok", "failed", "skipped")},
             "steps": list(self.records.values()), "throughput": throughput_rows(self.records),
-            "throughput_not_run": [r for r in self.records.get("throughput", {}).get("numbers", {}).get("rows", [])
-                                   if r["status"] != "ok"],
+            "throughput_not_run": [r for r in _throughput_records(self.records) if r["status"] != "ok"],
             "fullct_inference": fullct_rows(self.records), "targets": targets(self),
         }  # fmt: skip
 
@@ -841,9 +840,14 @@ def peak_bf16_tflops(device_name: str, gpu: bool) -> tuple[float | None, str]:
 
 def throughput_rows(records: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     """The throughput step's rows that ran, each with its speed relative to the seed-style loop (the first row)."""
-    rows = [r for r in records.get("throughput", {}).get("numbers", {}).get("rows", []) if r["status"] == "ok"]
+    rows = [r for r in _throughput_records(records) if r["status"] == "ok"]
     seed = next((r["patches_per_s"] for r in rows if r["loop"] == SEED_SET), None)
     return [{**r, "vs_seed": round(r["patches_per_s"] / seed, 2) if seed else None} for r in rows]
+
+
+def _throughput_records(records: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every row the throughput step recorded (ok, failed or skipped), in order."""
+    return records.get("throughput", {}).get("numbers", {}).get("rows", [])
 
 
 def fullct_rows(records: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
