@@ -4,7 +4,8 @@ Input: a chrome trace written by ``torch.profiler`` (``{"traceEvents": [...], ..
 ``.json``, ``.json.gz`` or a ``.zip`` holding one ``.json``; the format is told from the file's first bytes. The file
 is only ever opened for reading.
 Output: for every ``record_function`` range named ``__sec:<name>`` (``step``, ``loader_first``, ``loader_next``,
-``forward``, ``backward``, ``optimizer``, or any other), the count, min, mean, median and max duration in seconds.
+``forward``, ``backward``, ``optimizer``, or any other), the count, min, mean, median and max duration in seconds;
+the device time per kernel class and the device's idle share of the profiled steps (below).
 
 * ``step``, ``loader_*``, ``optimizer`` and any other section: the CPU duration (``dur``) of each range instance.
 * ``forward`` and ``backward``: accelerator time, from the first kernel start to the last kernel end among the kernels
@@ -18,9 +19,22 @@ Output: for every ``record_function`` range named ``__sec:<name>`` (``step``, ``
   ``sources`` in the summary says which was used. GPU-timeline copies of the ranges (``gpu_user_annotation``) are
   ignored. Correlation ids are assumed unique within the trace (one process per trace, as torch writes them).
 
+Where the device's time goes: every kernel, copy and memset on the device's timeline (``cat`` ``kernel``,
+``gpu_memcpy``, ``gpu_memset``) is counted in one class of :data:`KERNEL_CLASSES` (convolution, matrix product /
+attention, normalisation, layout conversion and copies, element-wise, reductions, softmax, memcpy/memset, other),
+by a small ordered table of name patterns that holds CUDA's and ROCm's names alike; per class the count, the device
+time and its share of all device time (the same total as ``key_averages()``'s self device time). And the device's
+idle share of the profiled steps: the wall time of the ``ProfilerStep#N`` ranges torch.profiler's schedule records
+(their union) less the union of the device intervals inside them (kernels overlapping on several streams count
+once); a trace without them (a profiler started and stopped by hand) is measured over the span from the first
+device start to the last device end instead, and says so.
+
 What is kept: :data:`KINDS`, one table, declares every kind of event the summary is made of (section ranges,
-launches, kernels): what it is kept for, the literal the text of every such event holds, and the numbers kept of it
-(doubles, in one flat array per kind: 24 bytes a launch or kernel). One pass; events may come in any order.
+launches, kernels, copies, profiled steps): what it is kept for, the literal the text of every such event holds, and
+the numbers kept of it (doubles, in one flat array per kind: 24 bytes a launch, 32 a kernel, 16 a copy). One pass;
+events may come in any order. The class of a kernel is kept as its index in the class table (names are classified
+once each, through a bounded cache); the idle share sorts the device intervals' starts and their ends, each into an
+array of doubles, once, at the end.
 
 Parsing (``parser``), in one process: ``"auto"`` (default, standard library) reads text in 1 MiB chunks and skims
 it, whatever the layout and however layouts are mixed in one file (kineto's templates of any year, one event a line,
@@ -101,6 +115,58 @@ PARSERS = ("auto", "orjson", "json")
 #: (searched for boundaries, taints and markers), ``decoded`` (handed to a decoder); and ``fills`` (buffer refills).
 WORK_KEYS = ("read", "indexed", "decoded", "fills")
 
+#: The classes of device time, as the tables show them; ``other`` holds what no pattern of :data:`KERNEL_CLASSES`
+#: finds.
+CLASS_ORDER = (
+    "convolution",
+    "matrix product / attention",
+    "normalisation",
+    "layout conversion and copies",
+    "element-wise",
+    "reductions",
+    "softmax",
+    "memcpy/memset",
+    "other",
+)
+#: The rules: (class, pattern), tried in this order on a kernel's name; the first pattern ``re.search`` finds decides.
+#: Copies and memsets on the device's timeline (``gpu_memcpy``, ``gpu_memset``) are ``memcpy/memset`` whatever their
+#: name. The order resolves names that match two patterns: the runtime's blit kernels before anything; norms, softmax
+#: and layout conversions before element-wise (``batch_norm_calc_invstd``, ``direct_copy_kernel_cuda`` run inside
+#: ``vectorized_elementwise_kernel``); element-wise before convolution and matrix products (torch.compile's pointwise
+#: kernels are named after the ops they fuse: ``triton_poi_fused_convolution_0`` is a bias add); convolution before
+#: matrix products (cuDNN's ``sm90_xmma_fprop_implicit_gemm``, MIOpen's ``igemm_fwd_gtcx``). AMP's casts
+#: (``float16_copy_kernel_cuda``) are element-wise. Every pattern is tested on real CUDA and ROCm names
+#: (tests/data/kernel_names.json says where each came from).
+KERNEL_CLASSES: tuple[tuple[str, str], ...] = (
+    ("memcpy/memset", r"^Mem(?:cpy|set)\b|__amd_rocclr_(?:copy|fill)Buffer"),  # ROCm's hipMemcpy/hipMemset kernels
+    (
+        "normalisation",
+        r"batch_norm|BatchNorm|layer_norm|group_?norm|GroupNorm|rms_norm|RowwiseMoments|GammaBeta"
+        r"|ComputeInternalGradients|Compute(?:Backward)?FusedParams",  # LayerNorm's and GroupNorm's other kernels
+    ),
+    ("softmax", r"[Ss]oft[Mm]ax"),
+    (
+        "layout conversion and copies",  # cuDNN's and MIOpen's NCHW <-> NHWC transposes, torch's copies, roll
+        r"nchwToNhwc|nhwcToNchw|batched_transpose_|transpose_(?:NCHW2CNHW|CNHW2NCHW)|direct_copy_kernel"
+        r"|CatArrayBatchedCopy|SubTensorOpWithCastTensor|roll_cuda_kernel",
+    ),
+    ("element-wise", r"elementwise|multi_tensor_apply|triton_poi_|SubTensorOpWithScalar"),
+    (
+        "convolution",  # cuDNN (fprop/dgrad/wgrad, implicit_convolveNd_sgemm), MIOpen (igemm, naive, asm, im2col), CK
+        r"fprop|dgrad|wgrad|[Cc]onv_|convolve|igemm_(?:fwd|bwd|wrw)_|Im[23]d2Col|bwd_weight",
+    ),
+    (
+        "matrix product / attention",  # cuBLAS(Lt), CUTLASS, hipBLASLt/rocBLAS (Tensile's Cijk_), flash attention
+        r"gemm|nvjet_|cutlass|cublas|Cijk_|attn|fmha|flash_(?:fwd|bwd)",
+    ),
+    ("reductions", r"[Rr]educe|triton_(?:red|per)_"),
+)
+#: ``cat`` of the copies and memsets on the device's timeline (the engines that copy, not kernels)
+TRANSFER_CATEGORIES = frozenset({"gpu_memcpy", "gpu_memset"})
+#: torch.profiler's range around each profiled step (``ProfilerStep#<n>``): the wall time of the idle share
+PROFILER_STEP = "ProfilerStep#"
+_CLASS_CACHE = 4096  # kernel names whose class is remembered (a network has hundreds; the cache bounds a strange one)
+
 # API-version and per-thread-stream suffixes some tracers keep: cudaLaunchKernel_v7000, cudaLaunchKernel_ptsz.
 _NAME_SUFFIX = re.compile(r"(?:_v\d+|_ptsz|_ptds|_spt)+$")
 _NON_WS = re.compile(r"[^ \t\n\r]")
@@ -140,13 +206,49 @@ _MAX_CORRELATION = 1 << 53
 
 
 def _kernel_row(ev: dict, numbers: dict) -> tuple[float, ...] | None:
-    """(correlation, start, end) of a kernel (``cat == "kernel"``)."""
+    """(correlation, start, end, class) of a kernel (``cat == "kernel"``); class: its index in :data:`CLASS_ORDER`."""
     if ev.get("cat") != "kernel":
         return None
     corr, ts = int(ev["args"]["correlation"]), float(ev["ts"])
     if not 0 < corr < _MAX_CORRELATION:
         raise ValueError(corr)
-    return corr, ts, ts + float(ev["dur"])
+    return corr, ts, ts + float(ev["dur"]), _class_index(str(ev.get("name", "")))
+
+
+def _transfer_row(ev: dict, numbers: dict) -> tuple[float, ...] | None:
+    """(start, end) of a copy or memset on the device's timeline (:data:`TRANSFER_CATEGORIES`)."""
+    if ev.get("cat") not in TRANSFER_CATEGORIES:
+        return None
+    ts = float(ev["ts"])
+    return ts, ts + float(ev["dur"])
+
+
+def _step_row(ev: dict, numbers: dict) -> tuple[float, ...] | None:
+    """(start, end) of a ``ProfilerStep#<n>`` range on the CPU timeline (its GPU-timeline copy is not one)."""
+    name = ev.get("name")
+    if not name.startswith(PROFILER_STEP) or str(ev.get("cat", "")).startswith("gpu_"):
+        return None
+    ts = float(ev["ts"])
+    return ts, ts + float(ev["dur"])
+
+
+def kernel_class(name: str) -> str:
+    """The class of :data:`CLASS_ORDER` a kernel named ``name`` counts in: the first rule of :data:`KERNEL_CLASSES`
+    whose pattern occurs in the name, else ``other``."""
+    return CLASS_ORDER[_class_index(name)]
+
+
+@functools.lru_cache(maxsize=_CLASS_CACHE)
+def _class_index(name: str) -> int:
+    """:func:`kernel_class` as an index into :data:`CLASS_ORDER`, remembered for the last names seen."""
+    for index, pattern in _RULES:
+        if pattern.search(name):
+            return index
+    return len(CLASS_ORDER) - 1
+
+
+_RULES = tuple((CLASS_ORDER.index(name), re.compile(pattern)) for name, pattern in KERNEL_CLASSES)
+_TRANSFER_CLASS = CLASS_ORDER.index("memcpy/memset")
 
 
 @functools.lru_cache(maxsize=1024)
@@ -183,10 +285,17 @@ def _section_row(ev: dict, numbers: dict) -> tuple[float, ...] | None:
 #: one entry here, and its use in :func:`_resolve`.
 KINDS = {
     "kernel": Kind(
-        "forward/backward's accelerator time: first start to last end of the kernels their launches started",
+        "forward/backward's accelerator time (first start to last end of the kernels their launches started); the "
+        "device time per class and the idle share",
         '"correlation"',  # a kernel is kept only with its args' correlation id
-        ("correlation", "start", "end"),
+        ("correlation", "start", "end", "class"),
         _kernel_row,
+    ),
+    "transfer": Kind(
+        "the device time of copies and memsets (memcpy/memset) and the idle share; never a section's",
+        '"gpu_mem',  # the start of their cat, gpu_memcpy or gpu_memset
+        ("start", "end"),
+        _transfer_row,
     ),
     "launch": Kind(
         "ties each kernel (by correlation id) to the range instance whose thread launched it within its time",
@@ -199,6 +308,9 @@ KINDS = {
         '"__sec:',
         ("section", "thread", "ts", "dur"),
         _section_row,
+    ),
+    "step": Kind(
+        "the wall time of the idle share: the profiled steps", '"' + PROFILER_STEP, ("start", "end"), _step_row
     ),
 }
 
@@ -226,6 +338,11 @@ class _Collected:
         """The kept numbers of every event of ``kind``, one array per field of :data:`KINDS`."""
         width = len(KINDS[kind].fields)
         return [self.rows[kind][i::width] for i in range(width)]
+
+    def column(self, kind: str, field: str) -> array:
+        """The kept values of one field of :data:`KINDS` of every event of ``kind``."""
+        fields = KINDS[kind].fields
+        return self.rows[kind][fields.index(field) :: len(fields)]
 
     def count(self, kind: str) -> int:
         """How many events of ``kind`` were kept."""
@@ -256,10 +373,13 @@ def summarize(path: str | Path, parser: str = "auto", work: dict[str, int] | Non
     """Statistics per ``__sec:`` section of the trace at ``path``.
 
     Returns ``{"sections": {name: {"count", "min_s", "mean_s", "median_s", "max_s"}}, "sources": {name:
-    "kernels" | "cpu" | "mixed"}, "trace": str, "events": int, "launches": int, "kernels": int, "parser": str}``
-    plus ``"devices"`` (GPU names) when the trace records them. ``sections`` is ordered as :data:`SECTION_ORDER`.
-    ``work``, a dict, receives what reading cost (:data:`WORK_KEYS`): linear in the file's size whatever its layout.
-    Raises :class:`TraceError` for a missing, empty, truncated or non-trace file, or one without sections.
+    "kernels" | "cpu" | "mixed"}, "trace": str, "events": int, "launches": int, "kernels": int, "parser": str,
+    "device": {"events", "ms", "classes": {class: {"count", "ms", "share"}}}, "idle": {"window", "ranges", "wall_ms",
+    "busy_ms", "idle_ms", "share"} | None}`` plus ``"devices"`` (GPU names) when the trace records them.
+    ``sections`` is ordered as :data:`SECTION_ORDER`, ``classes`` as :data:`CLASS_ORDER` (shares of ``device.ms``,
+    0 to 1); ``idle`` is None without device activity (a CPU run). ``work``, a dict, receives what reading cost
+    (:data:`WORK_KEYS`): linear in the file's size whatever its layout. Raises :class:`TraceError` for a missing,
+    empty, truncated or non-trace file, or one with neither sections nor device activity.
     """
     path = Path(path)
     if parser not in PARSERS:
@@ -276,10 +396,10 @@ def summarize(path: str | Path, parser: str = "auto", work: dict[str, int] | Non
     events = collected.decoded + collected.skipped
     if events == 0:
         raise TraceError(f"{path}: no trace events (an empty traceEvents list)")
-    if not collected.count("section"):
+    if not collected.count("section") and not collected.count("kernel") + collected.count("transfer"):
         raise TraceError(
-            f"{path}: no '{SECTION_PREFIX}' ranges among {events} events; was it profiled with the "
-            f"bundle's record_function sections ({', '.join(SECTION_PREFIX + s for s in SECTION_ORDER)})?"
+            f"{path}: no '{SECTION_PREFIX}' ranges and no device activity among {events} events; was it profiled "
+            f"with the bundle's record_function sections ({', '.join(SECTION_PREFIX + s for s in SECTION_ORDER)})?"
         )
     durations, sources = _resolve(collected)
     summary: dict[str, Any] = {
@@ -290,6 +410,8 @@ def summarize(path: str | Path, parser: str = "auto", work: dict[str, int] | Non
         "launches": collected.count("launch"),
         "kernels": collected.count("kernel"),
         "parser": ("orjson" if fast else "json") + ("-skim" if collected.skimmed else ""),
+        "device": device_time(collected),
+        "idle": idle_share(collected),
     }
     devices = _device_names(collected.meta.get("deviceProperties"))
     if devices:
@@ -308,7 +430,33 @@ def format_table(summary: dict[str, Any]) -> str:
     if summary.get("devices"):
         lines.append("devices: " + ", ".join(summary["devices"]))
     lines.append("forward/backward from 'kernels': first kernel start to last kernel end; 'cpu': range duration.")
+    if "device" in summary:
+        lines += ["", *format_device_table(summary["device"], summary.get("idle"))]
     return "\n".join(lines)
+
+
+def format_device_table(device: dict[str, Any], idle: dict[str, Any] | None) -> list[str]:
+    """The lines of the device-time table (one row per class of :data:`CLASS_ORDER`: count, ms, share) and the idle
+    line; on a trace without device activity one line that says so."""
+    if not device["events"]:
+        return ["device time by kernel class: none: no kernel, copy or memset in this trace (a CPU-only run)"]
+    header = f"{'class':<30}{'count':>8}{'device ms':>12}{'share %':>9}"
+    lines = [f"device time by kernel class ({device['events']} kernels, copies and memsets, {device['ms']:.3f} ms):",
+             header, "-" * len(header)]  # fmt: skip
+    for name, row in device["classes"].items():
+        lines.append(f"{name:<30}{row['count']:>8}{row['ms']:>12.3f}{100 * row['share']:>9.1f}")
+    if idle:
+        where = (
+            f"of the profiled steps ({idle['ranges']} ProfilerStep ranges, {idle['wall_ms']:.3f} ms)"
+            if idle["window"] == "profiler steps"
+            else f"from the first device start to the last device end ({idle['wall_ms']:.3f} ms; the trace has no "
+            "ProfilerStep ranges)"
+        )
+        lines.append(
+            f"device idle {100 * idle['share']:.1f} % {where}: {idle['idle_ms']:.3f} ms without a kernel, copy or "
+            "memset running"
+        )
+    return lines
 
 
 def main(trace: str, format: str = "text", parser: str = "auto") -> None:
@@ -681,7 +829,8 @@ def _resolve(c: _Collected) -> tuple[dict[str, list[float]], dict[str, str]]:
     owners_of = _launch_owners(ranges, process_of, *c.columns("launch"))
     first: dict[int, float] = {}
     last: dict[int, float] = {}
-    for corr, start, end in zip(*c.columns("kernel")):
+    corrs, starts, ends, _ = c.columns("kernel")
+    for corr, start, end in zip(corrs, starts, ends):
         for rid in owners_of(int(corr)):
             if start < first.get(rid, start + 1.0):
                 first[rid] = start
@@ -700,6 +849,89 @@ def _resolve(c: _Collected) -> tuple[dict[str, list[float]], dict[str, str]]:
         n = from_kernels.get(section, 0)
         sources[section] = "cpu" if n == 0 else "kernels" if n == len(values) else "mixed"
     return durations, sources
+
+
+def device_time(c: _Collected) -> dict[str, Any]:
+    """Device time per class of :data:`CLASS_ORDER`: every kernel in its class, copies and memsets in memcpy/memset;
+    per class the count, the milliseconds and the share of all device time (0 when there is none)."""
+    counts, us = [0] * len(CLASS_ORDER), [0.0] * len(CLASS_ORDER)
+    for index, start, end in zip(c.column("kernel", "class"), c.column("kernel", "start"), c.column("kernel", "end")):
+        counts[int(index)] += 1
+        us[int(index)] += end - start
+    counts[_TRANSFER_CLASS] += c.count("transfer")
+    us[_TRANSFER_CLASS] += sum(map(operator.sub, c.column("transfer", "end"), c.column("transfer", "start")))
+    total = sum(us)
+    classes = {
+        name: {"count": counts[i], "ms": round(us[i] / 1e3, 6), "share": round(us[i] / total, 6) if total else 0.0}
+        for i, name in enumerate(CLASS_ORDER)
+    }
+    return {"events": sum(counts), "ms": round(total / 1e3, 6), "classes": classes}
+
+
+def idle_share(c: _Collected) -> dict[str, Any] | None:
+    """The device's idle time in the profiled steps: the union of the ``ProfilerStep#`` ranges (``window``: "profiler
+    steps", ``ranges`` of them; without any, "device span": from the first device start to the last device end) less
+    the union of the device intervals (kernels, copies, memsets) inside it, in ms and as a share of the window; None
+    without device activity."""
+    starts, ends = c.column("transfer", "start"), c.column("transfer", "end")
+    starts.extend(c.column("kernel", "start"))
+    ends.extend(c.column("kernel", "end"))
+    if not starts:
+        return None
+    windows = _merged(zip(c.column("step", "start"), c.column("step", "end")))
+    window = "profiler steps"
+    if not windows:
+        windows, window = [(min(starts), max(ends))], "device span"
+    starts = array("d", sorted(starts))  # one list of floats at a time: O(1) per interval, sorted once
+    ends = array("d", sorted(ends))
+    wall = sum(hi - lo for lo, hi in windows)
+    busy = _covered(starts, ends, windows)
+    return {"window": window, "ranges": len(windows), "wall_ms": round(wall / 1e3, 6),
+            "busy_ms": round(busy / 1e3, 6), "idle_ms": round((wall - busy) / 1e3, 6),
+            "share": round((wall - busy) / wall, 6) if wall > 0 else 0.0}  # fmt: skip
+
+
+def _merged(ranges: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    """``ranges`` as sorted, disjoint ranges (overlapping or touching ones joined)."""
+    out: list[tuple[float, float]] = []
+    for lo, hi in sorted(ranges):
+        if out and lo <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], hi))
+        else:
+            out.append((lo, hi))
+    return out
+
+
+def _covered(starts: array, ends: array, windows: list[tuple[float, float]]) -> float:
+    """The length of the union of intervals inside ``windows`` (sorted, disjoint), from the intervals' starts and
+    ends, each sorted on its own (:func:`_pieces`)."""
+    covered, w = 0.0, 0
+    for lo, hi in _pieces(starts, ends):
+        while w < len(windows) and windows[w][1] <= lo:
+            w += 1
+        k = w
+        while k < len(windows) and windows[k][0] < hi:
+            covered += min(hi, windows[k][1]) - max(lo, windows[k][0])
+            k += 1
+    return covered
+
+
+def _pieces(starts: array, ends: array) -> Iterator[tuple[float, float]]:
+    """The union of intervals as disjoint pieces in time order, from their sorted starts and sorted ends: at any time
+    (starts <= t) - (ends < t) intervals are open whichever start belongs to whichever end, so one merge of the two
+    finds where the count leaves and returns to zero (an end before the next start closes one)."""
+    open_, j, begin = 0, 0, 0.0
+    for start in starts:
+        while ends[j] < start:
+            open_ -= 1
+            if not open_:
+                yield begin, ends[j]
+            j += 1
+        if not open_:
+            begin = start
+        open_ += 1
+    if open_:
+        yield begin, ends[-1]
 
 
 def _launch_owners(

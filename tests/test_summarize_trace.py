@@ -62,30 +62,36 @@ def launch(name, ts, corr, *, tid=TID, cat="cuda_runtime"):
     return {"ph": "X", "cat": cat, "name": name, "pid": PID, "tid": tid, "ts": ts, "dur": 4, "args": args}
 
 
-def kernel(ts, dur, corr, *, cat="kernel"):
+def kernel(ts, dur, corr, *, cat="kernel", name="void k<float>()"):
     args = {"device": 0, "stream": STREAM, "correlation": corr}
-    return {
-        "ph": "X",
-        "cat": cat,
-        "name": "void k<float>()",
-        "pid": GPU_PID,
-        "tid": STREAM,
-        "ts": ts,
-        "dur": dur,
-        "args": args,
-    }
+    return {"ph": "X", "cat": cat, "name": name, "pid": GPU_PID, "tid": STREAM, "ts": ts, "dur": dur, "args": args}
+
+
+# Real kernel names (tests/data/h200/4-chrome_trace.json.gz): a convolution, a matrix product, an element-wise op
+CONV = "sm90_xmma_fprop_implicit_gemm_f16f16_f16f32_f32_nhwckrsc_nhwc_tilesize256x64x32_warpgroupsize1x1x1_g1_execute"
+GEMM = "void cutlass::Kernel2<cutlass_75_wmma_tensorop_f16_s161616gemm_f16_32x32_64x2_nt_align1>(...::Params)"
+ADD = (
+    "void at::native::vectorized_elementwise_kernel<8, at::native::CUDAFunctor_add<c10::Half>, std::array<char*, 3ul> >"
+)
+ADAM = "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<...FusedAdamMathFunctor<float, 4>...>"
+# Per step of make_trace(): device time per class (µs), the profiled step's wall time and the device's busy time in it
+STEP_DEVICE_US = {"convolution": 20, "matrix product / attention": 40, "element-wise": 80 + 500, "memcpy/memset": 250}
+STEP_DEVICE_COUNT = {"convolution": 2, "matrix product / attention": 2, "element-wise": 3, "memcpy/memset": 2}
+PROFILER_STEP_US = 7400  # ProfilerStep#k: t .. t + 7400, which cuts the optimizer's kernel (t + 7000 .. 7500) at 400
+STEP_BUSY_US = 200 + 70 + 70 + 400  # the copy (the memset runs inside it), forward's and backward's kernels, 400
 
 
 def kernel_section(events, name, ts, cpu_dur, span, gpu_at, launches, corr):
-    """A range with three launches inside; their kernels run from gpu_at to gpu_at + span (listed last first)."""
+    """A range with three launches inside; their kernels (a convolution, a matrix product, an element-wise add) run
+    from gpu_at to gpu_at + span (listed last first), 70 µs of kernels without overlap."""
     events.append(section(name, ts, cpu_dur))
     c1, c2, c3 = corr(), corr(), corr()
     for i, c in enumerate((c1, c2, c3)):
         events.append(cpu_op("aten::mm", ts + 10 + 100 * i, 50))
         events.append(launch(launches[i % len(launches)], ts + 20 + 100 * i, c, cat=_runtime_cat(launches[0])))
-    events.append(kernel(gpu_at + span - 40, 40, c3))
-    events.append(kernel(gpu_at, 10, c1))
-    events.append(kernel(gpu_at + 20, 20, c2))
+    events.append(kernel(gpu_at + span - 40, 40, c3, name=ADD))
+    events.append(kernel(gpu_at, 10, c1, name=CONV))
+    events.append(kernel(gpu_at + 20, 20, c2, name=GEMM))
 
 
 def _runtime_cat(name):
@@ -93,11 +99,13 @@ def _runtime_cat(name):
 
 
 def make_trace(launches=CUDA_LAUNCHES, *, gpu=True):
-    """Four training steps; with gpu=False the same ranges and CPU ops without any launch or kernel."""
+    """Four training steps, each in a ProfilerStep range; with gpu=False the same ranges and CPU ops without any
+    launch, kernel, copy or memset."""
     events = [{"ph": "M", "name": "process_name", "pid": PID, "tid": 0, "args": {"name": "python"}}]
     corr = itertools.count(1).__next__  # correlation ids, as CUPTI hands them out
     for k in range(4):
         t = 10_000 * k
+        events.append({**cpu_op(f"ProfilerStep#{k + 2}", t, PROFILER_STEP_US), "cat": "user_annotation"})
         loader = ("loader_first", LOADER_FIRST_US[0]) if k == 0 else ("loader_next", LOADER_NEXT_US[k - 1])
         events.append(section(loader[0], t, loader[1]))
         events.append(section("step", t + 1000, STEP_US[k]))
@@ -109,6 +117,13 @@ def make_trace(launches=CUDA_LAUNCHES, *, gpu=True):
             events.extend(gpu_events)
             c = corr()  # the optimizer's launch: outside forward/backward, its kernel is not theirs
             events += [launch(launches[0], t + 4310, c, cat=_runtime_cat(launches[0])), kernel(t + 7000, 500, c)]
+            events[-1]["name"] = ADAM
+            c = corr()  # the batch's copy in the loader, and a memset inside it (device time, never a section's)
+            events += [launch("cudaMemcpyAsync", t + 100, c), kernel(t + 500, 200, c, cat="gpu_memcpy")]
+            events[-1]["name"] = "Memcpy HtoD (Pinned -> Device)"
+            c = corr()
+            events += [launch("cudaMemsetAsync", t + 110, c), kernel(t + 600, 50, c, cat="gpu_memset")]
+            events[-1]["name"] = "Memset (Device)"
             # GPU-timeline copies of the ranges must not count as instances
             events.append(section("forward", t + 2500, 5, pid=GPU_PID, tid=STREAM, cat="gpu_user_annotation"))
         else:
@@ -286,6 +301,187 @@ def test_cpu_only_trace_falls_back_to_range_durations(tmp_path):
     check(summary["sections"], EXPECTED_CPU)
     assert summary["sources"]["forward"] == "cpu"
     assert summary["launches"] == summary["kernels"] == 0
+
+
+# ------------------------------------------------------------------------- where the device's time goes
+KERNEL_NAMES = json.loads((ROOT / "tests" / "data" / "kernel_names.json").read_text())
+H200 = ROOT / "tests" / "data" / "h200"
+
+
+def recorded_collections(monkeypatch):
+    """A list that receives every _Collected the summariser makes (what it kept, to be counted)."""
+    made = []
+
+    class Recorded(st._Collected):
+        def __init__(self):
+            super().__init__()
+            made.append(self)
+
+    monkeypatch.setattr(st, "_Collected", Recorded)
+    return made
+
+
+def check_device(summary, steps=4):
+    """The device table and idle share of make_trace()'s first ``steps`` steps, computed by hand above."""
+    device = summary["device"]
+    assert list(device["classes"]) == list(st.CLASS_ORDER)
+    total_us = steps * sum(STEP_DEVICE_US.values())
+    assert device["events"] == steps * sum(STEP_DEVICE_COUNT.values())
+    assert device["ms"] == pytest.approx(total_us / 1e3, abs=1e-9)
+    for name, row in device["classes"].items():
+        assert row["count"] == steps * STEP_DEVICE_COUNT.get(name, 0), name
+        assert row["ms"] == pytest.approx(steps * STEP_DEVICE_US.get(name, 0) / 1e3, abs=1e-9), name
+        assert row["share"] == pytest.approx(STEP_DEVICE_US.get(name, 0) / sum(STEP_DEVICE_US.values()), abs=1e-6)
+    idle = summary["idle"]
+    assert (idle["window"], idle["ranges"]) == ("profiler steps", steps)
+    assert idle["wall_ms"] == pytest.approx(steps * PROFILER_STEP_US / 1e3, abs=1e-9)
+    assert idle["busy_ms"] == pytest.approx(steps * STEP_BUSY_US / 1e3, abs=1e-9)
+    assert idle["idle_ms"] == pytest.approx(steps * (PROFILER_STEP_US - STEP_BUSY_US) / 1e3, abs=1e-9)
+    assert idle["share"] == pytest.approx(0.9, abs=1e-6)  # 6660 of 7400 µs a step
+
+
+@pytest.mark.parametrize("launches", [CUDA_LAUNCHES, HIP_LAUNCHES], ids=["cuda", "hip"])
+def test_device_time_per_class_and_idle_share_of_the_profiled_steps(tmp_path, launches):
+    """Per class the count, ms and share of the kernels, copies and memsets; idle: the ProfilerStep ranges less the
+    union of device activity in them (a memset inside a copy counts once, the kernel past a step's end only up to
+    it), whatever the order of the events in the file."""
+    trace = make_trace(launches)
+    check_device(st.summarize(write(tmp_path / "trace.json", trace)))
+    trace["traceEvents"].reverse()
+    check_device(st.summarize(write(tmp_path / "reversed.json", trace, "compact")))
+
+
+def test_a_cpu_trace_says_it_has_no_device_time_and_no_idle_share(tmp_path):
+    path = write(tmp_path / "trace.json", make_trace(gpu=False))
+    summary = st.summarize(path)
+    assert summary["device"]["events"] == 0 and summary["device"]["ms"] == 0 and summary["idle"] is None
+    assert all(row == {"count": 0, "ms": 0.0, "share": 0.0} for row in summary["device"]["classes"].values())
+    result = run_cli(path)
+    assert result.returncode == 0, result.stderr
+    assert (
+        "device time by kernel class: none: no kernel, copy or memset in this trace (a CPU-only run)" in result.stdout
+    )
+    assert "device idle" not in result.stdout
+
+
+def test_a_device_only_trace_is_summarised_over_its_device_span(tmp_path):
+    """A profile of device activity only (torch.profiler with the CUDA activity alone, started and stopped by hand,
+    as the benchmark's busy steps): no sections, no ProfilerStep ranges; the idle share is measured from the first
+    device start to the last device end, and says so."""
+    events = [e for e in make_trace()["traceEvents"] if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    summary = st.summarize(write(tmp_path / "trace.json", {"traceEvents": events}))
+    assert summary["sections"] == {} and summary["device"]["events"] == 4 * sum(STEP_DEVICE_COUNT.values())
+    idle = summary["idle"]
+    span = 30_000 + 7_500 - 500  # the first copy starts at 500, the last optimizer kernel ends at 37,500
+    busy = 4 * (200 + 70 + 70 + 500)
+    assert (idle["window"], idle["ranges"]) == ("device span", 1)
+    assert (idle["wall_ms"], idle["busy_ms"]) == (pytest.approx(span / 1e3), pytest.approx(busy / 1e3))
+    text = st.format_table(summary)
+    assert (
+        "from the first device start to the last device end (37.000 ms; the trace has no ProfilerStep ranges)" in text
+    )
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_busy_time_is_the_union_of_overlapping_intervals_inside_the_steps(tmp_path, seed):
+    """Kernels on several streams overlap, touch, nest and cross the steps' edges: the busy time equals a count of
+    the microseconds covered by any of them inside any ProfilerStep range (integer endpoints: exact)."""
+    rng = random.Random(seed)
+    intervals = [(a, a + rng.randrange(0, 40)) for a in (rng.randrange(0, 400) for _ in range(60))]
+    steps = [(10, 90), (90, 150), (200, 330), (350, 351)]  # two steps touching, one of a microsecond
+    events = [kernel(a, b - a, i + 1, name=rng.choice((CONV, GEMM, ADD))) for i, (a, b) in enumerate(intervals)]
+    events += [{**cpu_op(f"ProfilerStep#{i}", a, b - a), "cat": "user_annotation"} for i, (a, b) in enumerate(steps)]
+    rng.shuffle(events)
+    summary = st.summarize(write(tmp_path / "trace.json", {"traceEvents": events}))
+    covered = {t for a, b in intervals for t in range(a, b)}
+    inside = {t for a, b in steps for t in range(a, b)}
+    idle = summary["idle"]
+    assert idle["ranges"] == 3  # the touching ranges join
+    assert idle["busy_ms"] * 1e3 == pytest.approx(len(covered & inside), abs=1e-6)
+    assert idle["wall_ms"] * 1e3 == pytest.approx(len(inside), abs=1e-6)
+
+
+def test_what_is_kept_is_a_fixed_few_numbers_per_event_and_one_row_per_class(tmp_path, monkeypatch):
+    """Memory, counted: every kept event costs its kind's fixed number of doubles (kernels 4, launches 3, sections 4,
+    copies and memsets 2, ProfilerStep ranges 2), nothing is kept per kernel name but the bounded cache of their
+    classes, and the device table has one row per class however many distinct names the kernels have."""
+    trace = make_trace()
+    corr = itertools.count(10_000).__next__
+    trace["traceEvents"] += [kernel(50_000 + i, 1, corr(), name=f"void my_kernel_{i}<float>()") for i in range(5000)]
+    made = recorded_collections(monkeypatch)
+    st._class_index.cache_clear()
+    summary = st.summarize(write(tmp_path / "trace.json", trace, "compact"))
+    kept = made[-1]
+    widths = {"kernel": 4, "launch": 3, "section": 4, "transfer": 2, "step": 2}
+    assert {name: len(kind.fields) for name, kind in st.KINDS.items()} == widths
+    counts = {"kernel": 4 * 7 + 5000, "launch": 4 * 7, "section": 4 * 5, "transfer": 4 * 2, "step": 4}
+    assert {name: kept.count(name) for name in widths} == counts
+    assert {name: len(rows) for name, rows in kept.rows.items()} == {k: widths[k] * counts[k] for k in widths}
+    assert st._class_index.cache_info().currsize <= st._CLASS_CACHE < 5000
+    assert list(summary["device"]["classes"]) == list(st.CLASS_ORDER)
+    assert summary["device"]["classes"]["other"]["count"] == 5000
+
+
+@pytest.mark.parametrize("index", range(len(KERNEL_NAMES["names"])))
+def test_real_kernel_names_of_cuda_and_rocm_fall_in_their_class(index):
+    """Kernel names taken from real traces (tests/data/kernel_names.json says which), each in the class a reader of
+    its library would give it."""
+    entry = KERNEL_NAMES["names"][index]
+    assert st.kernel_class(entry["name"]) == entry["class"], entry["name"]
+    assert entry["source"] in KERNEL_NAMES["sources"]
+
+
+def _alternatives(pattern):
+    """The top-level alternatives of a regular expression (``a|b(?:c|d)`` -> ``a``, ``b(?:c|d)``)."""
+    parts, depth, start = [], 0, 0
+    for i, char in enumerate(pattern):
+        if char == "(" and pattern[i - 1 : i] != "\\":
+            depth += 1
+        elif char == ")" and pattern[i - 1 : i] != "\\":
+            depth -= 1
+        elif char == "|" and depth == 0:
+            parts.append(pattern[start:i])
+            start = i + 1
+    return [*parts, pattern[start:]]
+
+
+def test_every_class_and_every_pattern_is_proven_on_real_names_of_both_vendors():
+    """Each class holds real CUDA and ROCm names, and each alternative of each rule is what classifies at least one
+    real name of its class (no pattern in the table that no real name needs)."""
+    names = KERNEL_NAMES["names"]
+    for name in st.CLASS_ORDER:
+        assert {e["vendor"] for e in names if e["class"] == name} == {"CUDA", "ROCm"}, name
+    for name, pattern in st.KERNEL_CLASSES:
+        for alternative in _alternatives(pattern):
+            assert any(e["class"] == name and re.search(alternative, e["name"]) for e in names), (name, alternative)
+
+
+def test_device_classes_add_up_to_key_averages_device_total_on_the_h200_profile():
+    """The first H200 run's profile (tests/data/h200/): the classes' counts and milliseconds add up to what torch's
+    key_averages() of the same run holds for the device: its device rows less the record_function ranges mirrored on
+    the GPU timeline (``__sec:*``, ``Optimizer.step#AdamW.step``: a name that is also a CPU row), the "Self CUDA time
+    total" of its table (306.952 ms). Per class too, classifying key_averages' rows by the same rules. Counts are
+    exact; times agree to 1 ns per event: the trace writes each duration to the nanosecond, and its timestamps (about
+    4.9e12 µs) are doubles exact to about 1 ns, so a sum of N durations may differ by up to N ns."""
+    summary = st.summarize(H200 / "4-chrome_trace.json.gz")
+    rows = json.loads((H200 / "4-key_averages.json").read_text())
+    ranges = {r["name"] for r in rows if r["device_type"] == "CPU"}
+    device = [r for r in rows if r["device_type"] != "CPU" and r["name"] not in ranges]
+    events = sum(r["count"] for r in device)
+    assert summary["device"]["events"] == events == 5132
+    total_ms = sum(r["device_time_total_us"] for r in device) / 1e3
+    assert summary["device"]["ms"] == pytest.approx(total_ms, abs=events * 1e-6)
+    assert total_ms == pytest.approx(306.952, abs=5e-4)
+    for name, row in summary["device"]["classes"].items():
+        mine = [r for r in device if st.kernel_class(r["name"]) == name]
+        assert row["count"] == sum(r["count"] for r in mine), name
+        ms = sum(r["device_time_total_us"] for r in mine) / 1e3
+        assert row["ms"] == pytest.approx(ms, abs=row["count"] * 1e-6 + 1e-6), name
+    assert summary["device"]["classes"]["other"]["share"] < 0.01  # the rules cover the bundle's own kernels
+    idle = summary["idle"]
+    profiler_steps = next(r for r in rows if r["name"] == "ProfilerStep*" and r["device_type"] == "CPU")
+    assert idle["wall_ms"] == pytest.approx(profiler_steps["cpu_time_total_us"] / 1e3, abs=1e-3)
+    assert idle["busy_ms"] <= summary["device"]["ms"] and idle["ranges"] == 2
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -648,27 +844,21 @@ def test_every_event_a_kind_takes_holds_its_marker_and_the_skimmer_searches_ever
 
 
 def test_a_new_kind_is_one_entry_in_the_table_and_the_skimmer_finds_its_events(tmp_path, monkeypatch):
-    """A kind added to KINDS alone (here: copies, whose GPU events hold no other marker once their correlation id is
-    gone) is kept by every parser, the skimmer included: its marker is searched without any other edit."""
+    """A kind added to KINDS alone (here: CUPTI's stream syncs, whose GPU events hold no other marker once their
+    correlation id is gone) is kept by every parser, the skimmer included: its marker is searched without any other
+    edit."""
     trace = make_trace()
-    copy = {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD", "pid": GPU_PID, "tid": 9, "dur": 5}
-    copies = [{**copy, "ts": t} for t in range(0, 50_000, 5000)]
+    sync = {"ph": "X", "cat": "cuda_sync", "name": "Stream Sync", "pid": GPU_PID, "tid": 9, "dur": 5}
+    copies = [{**sync, "ts": t} for t in range(0, 50_000, 5000)]
     trace["traceEvents"][3:3] = copies
     path = write(tmp_path / "trace.json", trace)
 
     def copy_row(ev, numbers):
-        return (float(ev["ts"]), float(ev["dur"])) if ev.get("cat") == "gpu_memcpy" else None
+        return (float(ev["ts"]), float(ev["dur"])) if ev.get("cat") == "cuda_sync" else None
 
-    kinds = {**st.KINDS, "copy": st.Kind("copies timed", '"gpu_memcpy"', ("ts", "dur"), copy_row)}
+    kinds = {**st.KINDS, "copy": st.Kind("syncs timed", '"cuda_sync"', ("ts", "dur"), copy_row)}
     monkeypatch.setattr(st, "KINDS", kinds)
-    made = []
-
-    class Recorded(st._Collected):
-        def __init__(self):
-            super().__init__()
-            made.append(self)
-
-    monkeypatch.setattr(st, "_Collected", Recorded)
+    made = recorded_collections(monkeypatch)
     for parser in ("auto", "orjson", "json") if has("orjson") else ("auto", "json"):
         summary = st.summarize(path, parser=parser)
         check(summary["sections"], EXPECTED_KERNELS)
@@ -851,6 +1041,7 @@ def test_json_format_has_the_documented_shape(tmp_path):
         assert set(stats) == {"count", "min_s", "mean_s", "median_s", "max_s"}
         assert isinstance(stats["count"], int)
     check(out["sections"], EXPECTED_KERNELS)
+    check_device(out)
 
 
 def test_text_table_lists_sections_in_pipeline_order_then_others(tmp_path):
@@ -870,6 +1061,15 @@ def test_text_table_lists_sections_in_pipeline_order_then_others(tmp_path):
         "validation",
     ]
     assert "2.000000" in result.stdout  # the 2 s validation range, in seconds
+    lines = result.stdout.splitlines()
+    table = lines[lines.index("") + 1 :]  # after the sections and a blank line: the device table, then idle
+    assert table[0] == "device time by kernel class (36 kernels, copies and memsets, 3.560 ms):"
+    assert [line[:30].strip() for line in table[3:12]] == list(st.CLASS_ORDER)
+    assert table[3].split()[-3:] == ["8", "0.080", "2.2"]  # convolution: 8 kernels, 80 µs of 3,560
+    assert table[12] == (
+        "device idle 90.0 % of the profiled steps (4 ProfilerStep ranges, 29.600 ms): 26.640 ms without a kernel, "
+        "copy or memset running"
+    )
 
 
 def test_module_is_standalone_no_torch_no_bundle_imports(tmp_path):
