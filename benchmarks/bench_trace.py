@@ -244,15 +244,18 @@ def check_small(shape: str, folder: Path, parsers: list[str], versions: dict[str
     with a full load."""
     path = folder / f"small-{shape}.json"
     expected = write_trace(path, SMALL_TRACE_BYTES, shape)
-    reference = reference_summary(path)
+    reference, device = reference_summary(path), reference_device(path)
     problems = [f"generator: {p}" for p in compare(expected["sections"], reference)]
+    problems += [f"generator: {p}" for p in compare_device(_as_summary(expected["device"]), device)]
     for parser in parsers:
         for version, script in (versions or {"new": SUMMARIZER}).items():
             run = run_summarizer(path, parser, script)
             if run["summary"] is None:
                 problems.append(f"{version} parser={parser}: {run['stderr'].strip() or 'no output'}")
             else:
-                problems += [f"{version} parser={parser}: {p}" for p in compare(run["summary"]["sections"], reference)]
+                found = compare(run["summary"]["sections"], reference)
+                found += compare_device(run["summary"], device if version == "new" else None)
+                problems += [f"{version} parser={parser}: {p}" for p in found]
     path.unlink()
     return problems
 
@@ -279,8 +282,11 @@ def _bench_shape(
                     for version, script in (versions or {"new": SUMMARIZER}).items():
                         run = run_summarizer(path, parser, script)
                         got = run["summary"]
+                        device = expected.get("device") if version == "new" else None  # a baseline may predate it
                         problems = (
-                            compare(got["sections"], expected["sections"]) if got else [run["stderr"].strip()[-300:]]
+                            compare(got["sections"], expected["sections"]) + compare_device(got, device)
+                            if got
+                            else [run["stderr"].strip()[-300:]]
                         )
                         row = _row(shape, path, plain.stat().st_size, expected, run, problems, gen_s)
                         row["version"] = version
@@ -597,6 +603,8 @@ class _TraceWriter:
         self.gpu_free = {COMPUTE_STREAM: self.t, SIDE_STREAM: self.t, COPY_STREAM: self.t}
         self.corr, self.ext, self.events, self.kernels, self.launch_index = 1, 1, 0, 0, 0
         self.durations: dict[str, list[float]] = {}
+        self.on_device: list[tuple[float, float]] = []  # this step's kernels and copies (start, end), µs
+        self.device = {"events": 0, "us": 0.0, "wall_us": 0.0, "busy_us": 0.0}  # every step's, for expected()
         self.ops = {name: max(1, round(n * ops_scale)) for name, n in OPS_PER_SECTION.items()}
         self.stretch = max(2, round(CPU_STRETCH_EVENTS * ops_scale))
         self.annotations: list[str] = []  # window shapes: the GPU copies of the ranges, written at the end
@@ -957,6 +965,7 @@ class _TraceWriter:
         self.corr += 1
         self.ext += 1
         self.t += 10.0
+        self.on_device.append((start, round(start + dur, 3)))
         return start, round(start + dur, 3)
 
     def _sync(self, out: list[str], gpu: list[str]) -> None:
@@ -1043,10 +1052,28 @@ class _TraceWriter:
         self.t += 5.0
         self._cpu_record(out, "step", step_ts, self.t - step_ts)
         self.t = max(self.t, *self.gpu_free.values()) + 20.0
+        self._profiler_step(out, index, loader_ts)
         if self.layout == "jumble" and index % 5 == 0:
             out.append("{}")  # an empty object is a list element too: counted, not an event of interest
             self.events += 1
         return out, gpu
+
+    def _profiler_step(self, out: list[str], index: int, ts: float) -> None:
+        """torch.profiler's ``ProfilerStep#<n>`` range around the step, from its loader's start to past its last device
+        activity; records the step's device time, and its busy time: the union of its kernels and copies (they
+        overlap on the three streams), all inside the range."""
+        args = f'"External id": {self.ext},"Record function id": 0, "Ev Idx": {self.ext}'
+        self._x(out, "user_annotation", f"ProfilerStep#{index}", MAIN_TID, ts, self.t - ts, args)
+        self.ext += 1
+        reach = busy = 0.0
+        for start, end in sorted(self.on_device):
+            busy += max(0.0, end - max(start, reach))
+            reach = max(reach, end)
+        self.device["events"] += len(self.on_device)
+        self.device["us"] += sum(end - start for start, end in self.on_device)
+        self.device["wall_us"] += round(self.t - ts, 3)
+        self.device["busy_us"] += busy
+        self.on_device = []
 
     def _cpu_record(self, out: list[str], name: str, ts: float, dur: float) -> None:
         """A CPU-timed range: its duration as the summariser must read it back (3 decimals)."""
@@ -1054,10 +1081,18 @@ class _TraceWriter:
         self.durations.setdefault(name, []).append(round(dur, 3))
 
     def expected(self) -> dict[str, Any]:
-        """Events and kernels written, and count/min/mean/median/max (s) of every section."""
+        """Events and kernels written, count/min/mean/median/max (s) of every section, and the device's kernels and
+        copies: their number, their time and the busy and wall time of the profiled steps (ms)."""
+        device = self.device
         return {
             "events": self.events,
             "kernels": self.kernels,
+            "device": {
+                "events": device["events"],
+                "ms": device["us"] / 1e3,
+                "wall_ms": device["wall_us"] / 1e3,
+                "busy_ms": device["busy_us"] / 1e3,
+            },
             "sections": {name: _stats(values) for name, values in self.durations.items()},
         }
 
@@ -1097,6 +1132,58 @@ def reference_summary(path: Path) -> dict[str, dict[str, float]]:
                 value = max(end for _, end in spans) - min(start for start, _ in spans)
         durations.setdefault(name, []).append(value)
     return {name: _stats(values) for name, values in durations.items()}
+
+
+def reference_device(path: Path) -> dict[str, float]:
+    """The device's kernels, copies and memsets of the whole trace loaded with ``json.load``, computed plainly: their
+    number and time, and the busy and wall time of the ``ProfilerStep#`` ranges (ms; small traces only)."""
+    opener = gzip.open if path.name.endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+    device = [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    steps = sorted(
+        (e["ts"], e["ts"] + e["dur"])
+        for e in events
+        if e["name"].startswith("ProfilerStep#") and not e.get("cat", "").startswith("gpu_")
+    )
+    busy = sum(max(0.0, min(end, hi) - max(start, lo)) for start, end in _union(device) for lo, hi in _union(steps))
+    return {"events": len(device), "ms": sum(end - start for start, end in device) / 1e3,
+            "wall_ms": sum(hi - lo for lo, hi in _union(steps)) / 1e3, "busy_ms": busy / 1e3}  # fmt: skip
+
+
+def _as_summary(record: dict[str, float]) -> dict[str, Any]:
+    """A device record (the generator's) in the summary's shape, for :func:`compare_device`."""
+    return {"device": {"events": record["events"], "classes": {"all": {"ms": record["ms"]}}},
+            "idle": {"wall_ms": record["wall_ms"], "busy_ms": record["busy_ms"]}}  # fmt: skip
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Intervals merged where they overlap, sorted."""
+    merged: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(start, end) for start, end in merged]
+
+
+def compare_device(summary: dict[str, Any], want: dict[str, float] | None) -> list[str]:
+    """Differences between a summary's device table and idle share and a record of the same trace (``want``: the
+    generator's or :func:`reference_device`'s; None: nothing to compare): the number of device events exactly, the
+    classes' total and the busy and wall time to 1 ns per event (each duration is written to the nanosecond)."""
+    if want is None:
+        return []
+    device, idle = summary.get("device") or {}, summary.get("idle") or {}
+    classes = device.get("classes", {}).values()
+    got = {"events": device.get("events"), "ms": sum(c["ms"] for c in classes), "wall_ms": idle.get("wall_ms"),
+           "busy_ms": idle.get("busy_ms")}  # fmt: skip
+    problems = [] if got["events"] == want["events"] else [f"device events {got['events']} != {want['events']}"]
+    slack = 1e-6 * (want["events"] + len(classes))  # ms: 1 ns per event, and per class for rounding each to 1 ns
+    for key in ("ms", "wall_ms", "busy_ms"):
+        if got[key] is None or abs(got[key] - want[key]) > slack:
+            problems.append(f"device {key} {got[key]} != {want[key]}")
+    return problems
 
 
 def compare(got: dict[str, dict[str, Any]], want: dict[str, dict[str, Any]]) -> list[str]:

@@ -30,15 +30,28 @@ def test_every_shape_agrees_with_a_full_load_reference(tmp_path, shape):
     packed = tmp_path / f"{shape}.json.gz"
     expected = bt.write_trace(path, SMALL, shape, gz_path=packed, ops_scale=SCALE)
     assert gzip.decompress(packed.read_bytes()) == path.read_bytes()
-    reference = bt.reference_summary(path)
+    reference, device = bt.reference_summary(path), bt.reference_device(path)
     assert bt.compare(expected["sections"], reference) == []
+    assert bt.compare_device(bt._as_summary(expected["device"]), device) == []
+    assert 0 < device["busy_ms"] < device["ms"] < device["wall_ms"]  # streams overlap; the steps wait for data
     assert len(json.loads(path.read_text())["traceEvents"]) == expected["events"]
     for parser in parsers():
         for trace in (path, packed):
             summary = st.summarize(trace, parser=parser)
             assert bt.compare(summary["sections"], reference) == [], (parser, trace.name)
+            assert bt.compare_device(summary, device) == [], (parser, trace.name)
             assert summary["events"] == expected["events"]
             assert summary["kernels"] == expected["kernels"]
+
+
+def test_a_device_record_that_differs_is_reported():
+    """compare_device names each number that differs: the event count exactly, times beyond 1 ns an event."""
+    want = {"events": 10, "ms": 1.0, "wall_ms": 5.0, "busy_ms": 0.9}
+    good = bt._as_summary(want)
+    assert bt.compare_device(good, want) == [] and bt.compare_device(good, None) == []
+    bad = bt._as_summary({**want, "events": 9, "busy_ms": 0.9001})
+    assert bt.compare_device(bad, want) == ["device events 9 != 10", "device busy_ms 0.9001 != 0.9"]
+    assert bt.compare_device({"sections": {}}, want)[0] == "device events None != 10"  # a summariser without it
 
 
 def test_orjson_parser_is_refused_clearly_where_it_is_missing(tmp_path, monkeypatch):
