@@ -11,7 +11,9 @@ differ). Nothing else carries over: every row builds its own network, optimiser 
 dropped between rows. The first row is the loop of the original research-contributions / AMD scripts (no cache,
 DataLoader workers, fp16 with GradScaler, no compile); GPU-only rows are skipped on a CPU; a row that fails (out of
 memory with 16 patches on a smaller card) is recorded and the next one runs. Each row's ``benchmark.json`` goes to
-``<output_dir>/<set>/`` and the table to ``<output_dir>/performance_table.md``.
+``<output_dir>/<set>/`` and the table to ``<output_dir>/performance_table.md``. With ``keep_trace`` a row faster than
+every row before it also keeps the chrome trace of its busy steps (:data:`BUSY_TRACE`, the device activity that
+StepTimer profiled on a GPU for its busy share), so the fastest row has one for ``python -m scripts.summarize_trace``.
 """
 
 from __future__ import annotations
@@ -57,6 +59,8 @@ SWITCH_SETS: dict[str, tuple[dict[str, str], bool]] = {
     "16 patches a step (bf16)": ({"amp_dtype": "bfloat16", "num_samples": "16"}, True),
     "compile regional (bf16)": ({"amp_dtype": "bfloat16", "compile": "true"}, True),
 }
+#: the chrome trace of a row's busy steps, beside its benchmark.json (kept for the fastest row so far: a few MB each)
+BUSY_TRACE = "busy_trace.json.gz"
 #: the ids whose values decide what the training cache holds: rows agreeing on them (and on the cache's place) share it
 CACHE_IDS = ("dataset_dir", "prepared_dir", "spacing", "hu_window", "body_hu", "roi_size", "cache_rate", "labels")
 
@@ -69,11 +73,13 @@ def run_rows(
     deadline: float | None = None,
     estimate_s: dict[str, float] | None = None,
     progress: Callable[[list[dict[str, Any]]], None] | None = None,
+    keep_trace: bool = False,
 ) -> list[dict[str, Any]]:
     """Run each named set of :data:`SWITCH_SETS` on ``configs`` (benchmark.yaml last) with ``settings`` in this
     process (see the module docstring); one record per set: ``ok`` with benchmark.json's report, ``failed`` with the
     error, or ``skipped`` (no GPU; or ``deadline``, a ``time.monotonic()`` value, would pass before its estimate).
-    ``progress`` is given the records so far after each set."""
+    ``progress`` is given the records so far after each set. ``keep_trace``: a row faster than every earlier row
+    writes its busy steps' trace and its record names it (``trace``; None where none was profiled: a CPU)."""
     from monai.bundle import ConfigParser
 
     if not logging.getLogger().handlers:  # the bundle's log lines (the cache's place, the trainer) in this output
@@ -114,6 +120,8 @@ def run_rows(
             if not (folder / "benchmark.json").is_file():  # the engine caught an error (a transform's) and ended
                 raise RuntimeError(f"the run ended without {folder / 'benchmark.json'}: the log above says why")
             record["report"] = json.loads((folder / "benchmark.json").read_text())
+            if keep_trace and _fastest_so_far(records, record):
+                record["trace"] = _save_busy_trace(parser, folder / BUSY_TRACE)
         except Exception as error:  # one row's failure (out of memory, a compiler error) must not end the others
             record.update(status="failed", error=f"{type(error).__name__}: {error}",
                           traceback=traceback.format_exc(limit=6))  # fmt: skip
@@ -126,6 +134,27 @@ def run_rows(
         if progress:
             progress(records)
     return records
+
+
+def _fastest_so_far(records: list[dict[str, Any]], record: dict[str, Any]) -> bool:
+    """Whether ``record``'s row made more patches a second than every earlier row that ran."""
+    speed = record["report"]["result"]["patches_per_s"]
+    earlier = [r["report"]["result"]["patches_per_s"] for r in records if r is not record and "report" in r]
+    return all(speed > other for other in earlier)
+
+
+def _save_busy_trace(parser: Any, path: Path) -> str | None:
+    """Write the chrome trace of the row's busy steps, which its StepTimer profiled (device activity only, on a GPU),
+    to ``path``; None where it profiled none. StepTimer offers no public handle on that profile, so the bench that
+    ran it reads its one attribute here (the profile is otherwise dropped with the row)."""
+    from scripts.benchmark import StepTimer
+
+    timer = next((h for h in parser.get_parsed_content("train#handlers") if isinstance(h, StepTimer)), None)
+    profiler = getattr(timer, "_profiler", None)
+    if timer is None or timer.busy is None or profiler is None:
+        return None
+    profiler.export_chrome_trace(str(path))
+    return str(path)
 
 
 def overrides(name: str) -> dict[str, Any]:

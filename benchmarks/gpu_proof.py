@@ -10,7 +10,9 @@ with CUDA kernels, ``memory.pickle``) and the trace summariser on that trace, ch
 ``key_averages()`` of the same run; evaluate and inference with the out-of-memory fallback forced once; torchrun
 with NCCL; training throughput (``benchmark.yaml``, :data:`THROUGHPUT_SETS`, all rows in one child: each switch in a
 row of its own, >= 30 timed steps, with data wait, GPU-busy share, MFU and the first step's seconds); full-CT
-inference (DICOM in, NIfTI + SEG out), the first and a warm case.
+inference (DICOM in, NIfTI + SEG out), the first and a warm case. Where the GPU's time goes: the summariser's
+device time per kernel class and idle share, for the profiled defaults run (the profile step's trace) and for the
+fastest throughput row (the trace of its profiled busy steps, which bench_switches keeps for the fastest row).
 
 Every step runs in a child process with a time limit (:class:`Runner`), so a crash, a CUDA error or a hang ends that
 step only: it is recorded as ``failed`` with the last lines of its log (``DIR/logs/<step>.log``) and the next step
@@ -53,7 +55,7 @@ from scripts.config import as_bool
 from scripts.cpus import usable_cpus
 from scripts.files import write_json, write_text
 from scripts.labels import COLLECTION
-from scripts.summarize_trace import SECTION_PREFIX, summarize
+from scripts.summarize_trace import SECTION_PREFIX, TraceError, format_device_table, summarize
 
 #: the device types of key_averages() rows that are the GPU's own (kernels, copies, ranges on its timeline)
 DEVICE_TYPES = ("CUDA", "HIP")
@@ -443,6 +445,7 @@ class Kit:
             "steps": list(self.records.values()), "throughput": throughput_rows(self.records),
             "throughput_not_run": [r for r in _throughput_records(self.records) if r["status"] != "ok"],
             "fullct_inference": fullct_rows(self.records), "targets": targets(self),
+            "kernel_classes": kernel_classes(self.records),
         }  # fmt: skip
 
     def save(self) -> None:
@@ -603,7 +606,8 @@ def step_summariser(kit: Kit) -> dict[str, Any]:
                                    "source": summary["sources"].get(name)} for name, s in summary["sections"].items()},
                "kernels": summary["kernels"], "launches": summary["launches"], "events": summary["events"],
                "trace_mb_uncompressed": round(inflated / 1e6, 2), "seconds": round(seconds, 3),
-               "mb_per_s": round(inflated / 1e6 / seconds, 1), "checks": checks}  # fmt: skip
+               "mb_per_s": round(inflated / 1e6 / seconds, 1), "checks": checks, "trace": str(trace),
+               "device": summary["device"], "idle": summary["idle"]}  # fmt: skip
     if kit.gpu and not summary["kernels"]:
         raise StepFailed(f"no CUDA kernel in {trace}: the profiler recorded the CPU only", numbers=numbers)
     wrong = [c for c in checks if not c["ok"]]
@@ -738,6 +742,7 @@ def step_throughput(kit: Kit) -> dict[str, Any]:
     child = kit.runner.module("benchmarks.gpu_proof", args, kit.log("throughput"), limit)
     rows = json.loads(result.read_text()) if result.is_file() else []
     numbers = {"rows": [_row(kit, r) for r in rows]}
+    numbers["fastest"] = fastest_row_classes(numbers["rows"])
     if child.returncode != 0 or not any(r["status"] == "ok" for r in rows):
         raise StepFailed(f"throughput: exit status {child.returncode}, {len(rows)} row(s) recorded", child.tail(),
                          numbers)  # fmt: skip
@@ -756,8 +761,27 @@ def _row(kit: Kit, record: dict[str, Any]) -> dict[str, Any]:
                timed_steps=r["timed_steps"], data_wait_percent=round(100 * r["data_wait_fraction"], 1),
                gpu_busy_percent=None if busy is None else round(100 * busy, 1),
                first_step_s=r["first_step_s"] and round(r["first_step_s"], 1), peak_memory_gib=r["peak_memory_gib"],
-               cache=record["report"]["switches"].get("cache"))  # fmt: skip
+               cache=record["report"]["switches"].get("cache"), trace=record.get("trace"))  # fmt: skip
     return {**row, **mfu(kit, r["patches_per_s"])}
+
+
+def fastest_row_classes(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Where the GPU's time goes in the fastest throughput row (most patches a second): the summariser's device time
+    per kernel class and idle share of the trace of its busy steps (bench_switches keeps the fastest row's), beside
+    the row's own GPU-busy share; the reason where there is no such trace."""
+    ran = [r for r in rows if r["status"] == "ok"]
+    if not ran:
+        return {"reason": "no throughput row ran"}
+    best = max(ran, key=lambda r: r["patches_per_s"])
+    found: dict[str, Any] = {"loop": best["loop"], "gpu_busy_percent": best.get("gpu_busy_percent")}
+    if not best.get("trace"):
+        why = "its busy steps were not profiled (the benchmark profiles them on a GPU only)"
+        return {**found, "reason": f"no trace: {why}" if best.get("gpu_busy_percent") is None else "no trace saved"}
+    try:
+        summary = summarize(best["trace"])
+    except TraceError as error:
+        return {**found, "reason": str(error)}
+    return {**found, "trace": best["trace"], "device": summary["device"], "idle": summary["idle"]}
 
 
 def mfu(kit: Kit, patches_per_s: float) -> dict[str, Any]:
@@ -848,6 +872,22 @@ def throughput_rows(records: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
 def _throughput_records(records: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     """Every row the throughput step recorded (ok, failed or skipped), in order."""
     return records.get("throughput", {}).get("numbers", {}).get("rows", [])
+
+
+def kernel_classes(records: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Where the GPU's time goes: the profiled defaults run (the summariser step's numbers of the profile step's
+    trace) and the fastest throughput row (:func:`fastest_row_classes`), each with its reason where unmeasured."""
+    keep = ("loop", "trace", "device", "idle", "gpu_busy_percent", "reason")
+    found = {}
+    for name, step in (("defaults", "summariser"), ("fastest", "throughput")):
+        record = records.get(step) or {}
+        numbers = record.get("numbers") or {}
+        numbers = numbers.get("fastest") or {} if step == "throughput" else numbers
+        if "device" in numbers or "reason" in numbers:
+            found[name] = {k: v for k, v in numbers.items() if k in keep}
+        else:
+            found[name] = {"reason": f"the {step} step {record.get('status', 'did not run')}"}
+    return found
 
 
 def fullct_rows(records: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
@@ -946,8 +986,30 @@ def format_markdown(report: dict[str, Any]) -> str:
                 f"{r.get('predict', 0):.2f} | {r.get('postprocess', 0):.2f} | {r.get('write', 0):.2f} | "
                 f"{r.get('windows')} |"
             )
+    lines += _kernel_class_lines(report.get("kernel_classes", {}))
     lines += ["", "Targets:"] + [f"- {name}: {text}" for name, text in report["targets"].items()]
     return "\n".join(lines) + "\n"  # fmt: skip
+
+
+def _kernel_class_lines(found: dict[str, dict[str, Any]]) -> list[str]:
+    """The markdown of where the GPU's time goes: for the profiled defaults run and the fastest throughput row, the
+    summariser's table as ``python -m scripts.summarize_trace`` prints it, or why there is none."""
+    if not found:
+        return []
+    lines = ["", "Where the GPU's time goes (`python -m scripts.summarize_trace TRACE`: device time per kernel class, "
+             "classed by kernel name; idle: wall time less the union of device activity):"]  # fmt: skip
+    titles = {"defaults": "Profiled defaults run (profile step)", "fastest": "Fastest throughput row"}
+    for name, title in titles.items():
+        entry = found.get(name, {})
+        if entry.get("loop"):
+            busy = entry.get("gpu_busy_percent")
+            title += f", {entry['loop']}" + ("" if busy is None else f" (the benchmark's GPU busy {busy:.1f} %)")
+        if "device" not in entry:
+            lines += ["", f"{title}: {entry.get('reason', 'not measured')}."]
+            continue
+        lines += ["", f"{title}, `{entry['trace']}`:", "", "```text", *format_device_table(entry["device"],
+                  entry["idle"]), "```"]  # fmt: skip
+    return lines
 
 
 def _brief(numbers: dict[str, Any], width: int = 160) -> str:
@@ -1057,7 +1119,7 @@ def helper_throughput(out: str, settings: str | dict, output_dir: str, deadline_
     settings = json.loads(settings) if isinstance(settings, str) else settings
     estimates = GPU.estimates_s if settings.get("roi_size") is None else {}  # the shipped sizes, else a quick run
     run_rows(THROUGHPUT_SETS, configs, settings, output_dir, time.monotonic() + float(deadline_s), estimates,
-             progress=lambda records: write_json(out, records, default=str))  # fmt: skip
+             progress=lambda records: write_json(out, records, default=str), keep_trace=True)  # fmt: skip
 
 
 HELPERS = {"environment": helper_environment, "network": helper_network, "checkpoint": helper_checkpoint,

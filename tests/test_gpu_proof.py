@@ -4,6 +4,7 @@ GPU is, the CUDA paths with the dry run's tiny network (marked gpu)."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import subprocess
 import sys
@@ -20,6 +21,8 @@ from benchmarks.gpu_proof import (
     STEPS,
     THROUGHPUT_SETS,
     compare_with_key_averages,
+    fastest_row_classes,
+    format_markdown,
     helper_network,
     peak_bf16_tflops,
     select,
@@ -83,6 +86,67 @@ def test_summariser_agrees_with_key_averages_of_the_same_run(dry_run):
     assert checks["forward: instances"]["summariser"] == checks["forward: instances"]["key_averages"] == 1
     assert checks["kernels"]["summariser"] == checks["kernels"]["key_averages"] == 0  # a CPU trace has none
     assert numbers["mb_per_s"] > 0 and numbers["trace_mb_uncompressed"] > 0
+
+
+def test_the_cpu_run_says_plainly_that_its_traces_hold_no_device_time(dry_run):
+    """The kernel-class tables of a dry run: the profiled defaults run's trace has no kernel (a CPU), and no
+    throughput row profiled busy steps (a GPU's), so the fastest row has no trace; both say so."""
+    report, stdout, out = dry_run
+    numbers = by_name(report)["summariser"]["numbers"]
+    assert numbers["device"]["events"] == 0 and numbers["idle"] is None
+    rows = by_name(report)["throughput"]["numbers"]["rows"]
+    assert all(r.get("trace") is None for r in rows if r["status"] == "ok")
+    found = report["kernel_classes"]
+    assert found["defaults"]["device"]["events"] == 0
+    assert found["fastest"]["reason"].startswith("no trace: its busy steps were not profiled")
+    markdown = (out / "gpu_proof.md").read_text()
+    assert "device time by kernel class: none: no kernel, copy or memset in this trace (a CPU-only run)" in markdown
+    assert f"Fastest throughput row, {found['fastest']['loop']}: no trace: its busy steps" in markdown
+    assert "Where the GPU's time goes" in stdout
+
+
+def test_the_kernel_class_tables_of_a_gpu_run_in_the_report(dry_run, tmp_path):
+    """On a GPU both tables come from traces with kernels: here the first H200 profile stands for the profiled
+    defaults run and for the fastest row's busy steps; the fastest row is the one with the most patches a second,
+    whose trace the report reads, with the row's own GPU-busy share beside the table."""
+    trace = str(ROOT / "tests" / "data" / "h200" / "4-chrome_trace.json.gz")
+    rows = [{"loop": DEFAULTS_SET, "status": "ok", "patches_per_s": 23.6, "gpu_busy_percent": 81.0, "trace": None},
+            {"loop": COMPILE_SET, "status": "ok", "patches_per_s": 32.0, "gpu_busy_percent": 88.0, "trace": trace},
+            {"loop": SEED_SET, "status": "failed", "reason": "out of memory"}]  # fmt: skip
+    fastest = fastest_row_classes(rows)
+    assert (fastest["loop"], fastest["trace"], fastest["device"]["events"]) == (COMPILE_SET, trace, 5132)
+    assert fastest_row_classes(rows[:1])["reason"] == "no trace saved"  # busy steps ran, their trace was not kept
+    assert fastest_row_classes(rows[2:]) == {"reason": "no throughput row ran"}
+    report = json.loads(json.dumps(dry_run[0]))
+    defaults = {k: fastest[k] for k in ("trace", "device", "idle")}
+    report["kernel_classes"] = {"defaults": defaults, "fastest": fastest}
+    markdown = format_markdown(report)
+    assert f"Profiled defaults run (profile step), `{trace}`:" in markdown
+    assert f"Fastest throughput row, {COMPILE_SET} (the benchmark's GPU busy 88.0 %), `{trace}`:" in markdown
+    assert markdown.count("device time by kernel class (5132 kernels, copies and memsets, 306.952 ms):") == 2
+    assert markdown.count("device idle 51.0 % of the profiled steps (2 ProfilerStep ranges, 626.015 ms)") == 2
+
+
+def test_the_bench_keeps_the_busy_steps_trace_of_a_row_faster_than_the_rows_before(tmp_path):
+    """bench_switches writes the chrome trace of a row's profiled busy steps (StepTimer's profile, here a CPU one)
+    when the row is faster than every earlier row, and nothing where the timer profiled none."""
+    import torch
+    from benchmarks.bench_switches import BUSY_TRACE, _fastest_so_far, _save_busy_trace
+    from scripts.benchmark import StepTimer
+
+    timer = StepTimer(tmp_path / "benchmark.json", "cpu")
+    parser = SimpleNamespace(get_parsed_content=lambda id: [object(), timer])
+    assert _save_busy_trace(parser, tmp_path / BUSY_TRACE) is None  # no busy steps were profiled
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
+        torch.ones(4).add_(1)
+    timer._profiler, timer.busy = profiler, 0.5
+    assert _save_busy_trace(parser, tmp_path / BUSY_TRACE) == str(tmp_path / BUSY_TRACE)
+    with gzip.open(tmp_path / BUSY_TRACE) as f:
+        assert any(e.get("name") == "aten::add_" for e in json.load(f)["traceEvents"])
+    report = {"result": {"patches_per_s": 2.0}}
+    records = [{"report": {"result": {"patches_per_s": 1.0}}}, {"status": "failed"}, {"report": report}]
+    assert _fastest_so_far(records, records[-1])
+    assert not _fastest_so_far([{"report": {"result": {"patches_per_s": 3.0}}}, records[-1]], records[-1])
 
 
 def test_resume_continues_from_the_saved_epoch(dry_run):
