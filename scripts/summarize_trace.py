@@ -146,14 +146,14 @@ KERNEL_CLASSES: tuple[tuple[str, str], ...] = (
     ),
     ("softmax", r"[Ss]oft[Mm]ax"),
     (
-        "layout conversion and copies",  # cuDNN's and MIOpen's NCHW <-> NHWC transposes, torch's copies, roll
+        "layout conversion and copies",  # cuDNN's and MIOpen's layout transforms, torch's copies, roll
         r"nchwToNhwc|nhwcToNchw|batched_transpose_|transpose_(?:NCHW2CNHW|CNHW2NCHW)|direct_copy_kernel"
-        r"|CatArrayBatchedCopy|SubTensorOpWithCastTensor|roll_cuda_kernel",
+        r"|CatArrayBatchedCopy|SubTensorOpWithCastTensor|roll_cuda_kernel|tensorTransform",
     ),
     ("element-wise", r"elementwise|multi_tensor_apply|triton_poi_|SubTensorOpWithScalar"),
     (
         "convolution",  # cuDNN (fprop/dgrad/wgrad, implicit_convolveNd_sgemm), MIOpen (igemm, naive, asm, im2col), CK
-        r"fprop|dgrad|wgrad|[Cc]onv_|convolve|igemm_(?:fwd|bwd|wrw)_|Im[23]d2Col|bwd_weight",
+        r"fprop|dgrad|wgrad|[Cc]onv(?:_|Nd_|2d_)|convolve|igemm_(?:fwd|bwd|wrw)_|Im[23]d2Col|bwd_weight",
     ),
     (
         "matrix product / attention",  # cuBLAS(Lt), CUTLASS, hipBLASLt/rocBLAS (Tensile's Cijk_), flash attention
@@ -447,7 +447,8 @@ def format_device_table(device: dict[str, Any], idle: dict[str, Any] | None) -> 
         lines.append(f"{name:<30}{row['count']:>8}{row['ms']:>12.3f}{100 * row['share']:>9.1f}")
     if idle:
         where = (
-            f"of the profiled steps ({idle['ranges']} ProfilerStep ranges, {idle['wall_ms']:.3f} ms)"
+            f"of the profiled steps ({idle['ranges']} ProfilerStep range{'s' * (idle['ranges'] != 1)}, "
+            f"{idle['wall_ms']:.3f} ms)"
             if idle["window"] == "profiler steps"
             else f"from the first device start to the last device end ({idle['wall_ms']:.3f} ms; the trace has no "
             "ProfilerStep ranges)"

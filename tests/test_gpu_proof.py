@@ -106,25 +106,30 @@ def test_the_cpu_run_says_plainly_that_its_traces_hold_no_device_time(dry_run):
 
 
 def test_the_kernel_class_tables_of_a_gpu_run_in_the_report(dry_run, tmp_path):
-    """On a GPU both tables come from traces with kernels: here the first H200 profile stands for the profiled
-    defaults run and for the fastest row's busy steps; the fastest row is the one with the most patches a second,
-    whose trace the report reads, with the row's own GPU-busy share beside the table."""
-    trace = str(ROOT / "tests" / "data" / "h200" / "4-chrome_trace.json.gz")
+    """On a GPU both tables come from traces with kernels (here the H200 runs' in tests/data/h200/: the first run's
+    profile for the defaults, the tiny kit run's busy steps for the fastest row); the fastest row is the one with the
+    most patches a second, whose trace the report reads, with the row's own GPU-busy share beside the table."""
+    from scripts.summarize_trace import summarize
+
+    profile = str(ROOT / "tests" / "data" / "h200" / "4-chrome_trace.json.gz")
+    trace = str(ROOT / "tests" / "data" / "h200" / "busy_steps_trace.json.gz")
     rows = [{"loop": DEFAULTS_SET, "status": "ok", "patches_per_s": 23.6, "gpu_busy_percent": 81.0, "trace": None},
             {"loop": COMPILE_SET, "status": "ok", "patches_per_s": 32.0, "gpu_busy_percent": 88.0, "trace": trace},
             {"loop": SEED_SET, "status": "failed", "reason": "out of memory"}]  # fmt: skip
     fastest = fastest_row_classes(rows)
-    assert (fastest["loop"], fastest["trace"], fastest["device"]["events"]) == (COMPILE_SET, trace, 5132)
+    assert (fastest["loop"], fastest["trace"], fastest["device"]["events"]) == (COMPILE_SET, trace, 2823)
     assert fastest_row_classes(rows[:1])["reason"] == "no trace saved"  # busy steps ran, their trace was not kept
     assert fastest_row_classes(rows[2:]) == {"reason": "no throughput row ran"}
     report = json.loads(json.dumps(dry_run[0]))
-    defaults = {k: fastest[k] for k in ("trace", "device", "idle")}
+    defaults = {"trace": profile, **{k: v for k, v in summarize(profile).items() if k in ("device", "idle")}}
     report["kernel_classes"] = {"defaults": defaults, "fastest": fastest}
     markdown = format_markdown(report)
-    assert f"Profiled defaults run (profile step), `{trace}`:" in markdown
+    assert f"Profiled defaults run (profile step), `{profile}`:" in markdown
+    assert "device time by kernel class (5132 kernels, copies and memsets, 306.952 ms):" in markdown
+    assert "device idle 51.0 % of the profiled steps (2 ProfilerStep ranges, 626.015 ms)" in markdown
     assert f"Fastest throughput row, {COMPILE_SET} (the benchmark's GPU busy 88.0 %), `{trace}`:" in markdown
-    assert markdown.count("device time by kernel class (5132 kernels, copies and memsets, 306.952 ms):") == 2
-    assert markdown.count("device idle 51.0 % of the profiled steps (2 ProfilerStep ranges, 626.015 ms)") == 2
+    assert "device time by kernel class (2823 kernels, copies and memsets, 8.002 ms):" in markdown
+    assert "from the first device start to the last device end (129.199 ms; the trace has no ProfilerStep" in markdown
 
 
 def test_the_bench_keeps_the_busy_steps_trace_of_a_row_faster_than_the_rows_before(tmp_path):

@@ -456,6 +456,23 @@ def test_every_class_and_every_pattern_is_proven_on_real_names_of_both_vendors()
             assert any(e["class"] == name and re.search(alternative, e["name"]) for e in names), (name, alternative)
 
 
+def test_the_busy_steps_trace_of_a_benchmark_row_is_summarised_over_its_device_span():
+    """The kit's tiny run on an H200 (tests/data/h200/busy_steps_trace.json.gz): StepTimer profiles only the device's
+    activity in its busy steps, with no sections and no ProfilerStep ranges; every kernel, copy and memset in it is in
+    one class, and the idle share is taken over the span of device activity."""
+    path = H200 / "busy_steps_trace.json.gz"
+    with gzip.open(path) as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    summary = st.summarize(path)
+    device, idle = summary["device"], summary["idle"]
+    assert summary["sections"] == {} and device["events"] == len(events) == 2823
+    assert device["ms"] == pytest.approx(sum(e["dur"] for e in events) / 1e3, abs=len(events) * 1e-6)
+    assert sum(row["count"] for row in device["classes"].values()) == device["events"]
+    span = max(e["ts"] + e["dur"] for e in events) - min(e["ts"] for e in events)
+    assert (idle["window"], idle["wall_ms"]) == ("device span", pytest.approx(span / 1e3, abs=1e-6))
+    assert device["classes"]["convolution"]["count"] > 0 and device["classes"]["layout conversion and copies"]["ms"] > 0
+
+
 def test_device_classes_add_up_to_key_averages_device_total_on_the_h200_profile():
     """The first H200 run's profile (tests/data/h200/): the classes' counts and milliseconds add up to what torch's
     key_averages() of the same run holds for the device: its device rows less the record_function ranges mirrored on
