@@ -59,6 +59,18 @@ def test_schema_is_the_model_zoo_one_and_version_is_in_changelog(meta):
     assert meta["version"] in meta["changelog"]
 
 
+def test_the_changelog_says_each_version_in_one_short_line(meta, root):
+    """As the model zoo's bundles write it: one line per version, newest first; the numbers measured with a version
+    live in CHANGELOG.md, which names every version the metadata does."""
+    versions = list(meta["changelog"])
+    assert versions[0] == meta["version"]
+    assert versions == sorted(versions, key=lambda v: tuple(int(n) for n in v.split(".")), reverse=True)
+    for number, line in meta["changelog"].items():
+        assert "\n" not in line and len(line) <= 200, f"{number}: {len(line)} characters"
+    changelog = (root / "CHANGELOG.md").read_text()
+    assert all(f"## [{v}]" in changelog for v in versions)
+
+
 def test_network_format_matches_the_task(meta):
     image = meta["network_data_format"]["inputs"]["image"]
     pred = meta["network_data_format"]["outputs"]["pred"]

@@ -22,9 +22,9 @@ tests/test_model_zoo.py and the demo run it), set in the copy's configs; everyth
 The program MONAI Label runs in is at the bottom of this file (``python tests/test_monailabel.py WORK_DIR``), with the
 two workarounds MONAI Label 0.8.5 needs beside this bundle's pinned packages.
 
-And the README's install lines (its "MONAI Label / 3D Slicer" section; requirements-monailabel.txt goes in with
+And the install lines of docs/monailabel.md (its "Install" section; requirements-monailabel.txt goes in with
 ``--no-deps``, so nothing it does not name comes along): every module MONAI Label's command, server and app and
-pydicom-seg import at start-up comes from a package they install (from the README and the requirement files alone, no
+pydicom-seg import at start-up comes from a package they install (from that page and the requirement files alone, no
 MONAI Label needed); and, where MONAI Label is installed, `monailabel apps --download` and those imports work in a
 process where nothing else can be imported (``python tests/test_monailabel.py --start-up-imports WORK_DIR``).
 """
@@ -211,7 +211,7 @@ def test_training_given_its_cases_prepares_nothing_and_writes_the_served_weights
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# the README's install lines against what MONAI Label imports
+# the install lines of docs/monailabel.md against what MONAI Label imports
 # What MONAI Label 0.8.5 imports when it starts -- its command (monailabel.main: `monailabel apps`, `start_server`;
 # uvicorn brings click, and h11 once it serves), its server (monailabel.app), its datastores (a folder, DICOMweb), the
 # monaibundle app -- and what pydicom-seg 0.4.1 imports (jsonschema, SimpleITK): the top-level module, and the
@@ -244,9 +244,9 @@ def canonical(name: str) -> str:
 
 
 def readme_install_commands(root: Path = ROOT) -> list[list[str]]:
-    """The arguments of every ``pip install`` in the README's "MONAI Label / 3D Slicer" section (its bash blocks)."""
-    text = (root / "README.md").read_text()
-    section = text.split("\n## MONAI Label / 3D Slicer\n", 1)[1].split("\n## ", 1)[0]
+    """The arguments of every ``pip install`` in the "Install" section of docs/monailabel.md (its bash blocks)."""
+    text = (root / "docs" / "monailabel.md").read_text()
+    section = text.split("\n## Install\n", 1)[1].split("\n## ", 1)[0]
     commands = []
     for block in re.findall(r"```bash\n(.*?)```", section, re.S):
         for line in block.replace("\\\n", " ").splitlines():
@@ -315,7 +315,7 @@ def installed_by(commands: list[list[str]], root: Path = ROOT) -> set[str]:
 
 
 def test_the_readme_install_lines_bring_every_module_monai_label_imports_at_start_up():
-    """Each module of START_UP_IMPORTS comes from a package the README's MONAI Label install lines install:
+    """Each module of START_UP_IMPORTS comes from a package the install lines of docs/monailabel.md install:
     requirements-monailabel.txt names it (installed with --no-deps: nothing else comes), or requirements.txt brings it
     (installed with its dependencies). Where a module is installed here, the table's distribution is the one
     importlib.metadata names for it. No install, no MONAI Label needed."""
@@ -332,7 +332,7 @@ def test_the_readme_install_lines_bring_every_module_monai_label_imports_at_star
         if top in here and ("." not in module or importlib.util.find_spec(module) is not None):
             assert {canonical(d) for d in distributions} <= {canonical(d) for d in here[top]}, module
         missing += [f"{module} ({d})" for d in distributions if canonical(d) not in brought]
-    assert not missing, f"imported by MONAI Label at start-up, not installed by the README's lines: {missing}"
+    assert not missing, f"imported by MONAI Label at start-up, not installed by docs/monailabel.md: {missing}"
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -422,7 +422,7 @@ def test_training_from_monai_label_writes_the_weights_it_then_serves(monai_label
 
 @needs_monailabel
 def test_monai_label_starts_with_only_what_the_readme_installs(tmp_path):
-    """In a process where only the packages the README's MONAI Label lines install can be imported (everything else
+    """In a process where only the packages the lines of docs/monailabel.md install can be imported (everything else
     installed here, requirements-dev.txt's, hidden), `monailabel apps --download` writes the app, and MONAI Label's
     server, datastores, monaibundle app and pydicom-seg import; every module they import that requirements.txt does not
     bring is in START_UP_IMPORTS."""
@@ -579,8 +579,8 @@ def import_only(distributions: set[str]) -> None:
 
 def start_up_imports(work: Path) -> int:
     """`monailabel apps --download` and the imports of MONAI Label's server, datastores, monaibundle app and
-    pydicom-seg with only the README's install set importable; the top-level modules they imported, with their
-    distributions, to WORK_DIR/imports.json."""
+    pydicom-seg with only what docs/monailabel.md installs importable; the top-level modules they imported, with
+    their distributions, to WORK_DIR/imports.json."""
     from importlib.metadata import packages_distributions
 
     import_only(installed_by(readme_install_commands()))
