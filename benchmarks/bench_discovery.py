@@ -245,8 +245,9 @@ def format_report(report: dict) -> str:
 
 if __name__ == "__main__":
     import fire
+    from scripts.cli import printed
 
     if len(sys.argv) > 1 and sys.argv[1] == "child":
         fire.Fire(child, command=sys.argv[2:])
     else:
-        fire.Fire(lambda **options: main(**options) and None)
+        fire.Fire(printed(main))

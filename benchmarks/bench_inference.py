@@ -274,8 +274,9 @@ def format_report(report: dict[str, Any]) -> str:
 
 if __name__ == "__main__":
     import fire
+    from scripts.cli import printed
 
     if len(sys.argv) > 1 and sys.argv[1] == "infer":
         fire.Fire(infer, command=sys.argv[2:])
     else:
-        fire.Fire(lambda **options: main(**options) and None)
+        fire.Fire(printed(main))

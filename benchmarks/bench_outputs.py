@@ -195,5 +195,6 @@ def format_result(result: dict) -> str:
 
 if __name__ == "__main__":
     import fire
+    from scripts.cli import printed
 
-    fire.Fire(lambda **options: main(**options) and None)
+    fire.Fire(printed(main))

@@ -49,3 +49,15 @@ def command(
             raise SystemExit(status)
 
     return cli
+
+
+def printed(function: Callable[..., Any]) -> Callable[..., None]:
+    """``function`` as a CLI that prints its own output: ``fire`` shows its parameters and docstring under ``--help``
+    (a ``lambda **options`` hides them, and fire then passes ``help`` on as an option) and does not print the value it
+    returns (the numbers it has already printed as a table)."""
+
+    @functools.wraps(function)
+    def cli(*args: Any, **kwargs: Any) -> None:
+        function(*args, **kwargs)
+
+    return cli
