@@ -84,6 +84,30 @@ def bundle_run(
     return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
+def workflow_run(*args: str, cwd: Path | None = None) -> None:
+    """The ``monai.bundle run`` of ``args`` (as :func:`bundle_run` takes them) in this process, for a test that is not
+    about the command line (a ``python -m monai.bundle`` process pays ~5 s importing MONAI): each value parsed as
+    MONAI's command line parses it (fire's parser), the bundle named by ``--bundle_root``, from ``cwd`` (default: a
+    folder that is not the bundle), and the process's logging left as it is. Raises what the run raises."""
+    from fire.parser import DefaultParseValue
+    from monai.bundle import run
+
+    options: dict = {"bundle_root": str(ROOT)}
+    positional, words = [], list(args)
+    while words:
+        word = words.pop(0)
+        if word.startswith("--"):
+            options[word[2:]] = DefaultParseValue(words.pop(0))
+        else:
+            positional.append(word)
+    here = Path.cwd()
+    os.chdir(cwd or foreign_folder())
+    try:
+        run(*positional, logging_file=False, **options)
+    finally:
+        os.chdir(here)
+
+
 def foreign_folder() -> Path:
     """An empty folder that is not the bundle, made once per process (at import, before any test changes TMPDIR):
     bundle runs start there. Not the bundle's parent folder, whose contents no test controls (a folder named like a
