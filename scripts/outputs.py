@@ -15,9 +15,13 @@
   together: a case that fails while writing leaves nothing half-written, and its outputs from an earlier run stay as
   they were. Given ``models`` (:meth:`scripts.ensemble.Models.record`: the weight files with their SHA-256, TTA,
   post-processing), the DICOM SEG carries them as its algorithm's parameters and the tumour report as ``models``.
+  Given ``plausible`` (limits of :func:`scripts.report.implausible`), a tumour unlikely to be a lung GTV -- bigger
+  than one is likely to be, in more pieces, filling most of the border of the region the network ran on (``inferer``'s
+  last region) -- is flagged, with what to check (:data:`scripts.report.WHAT_TO_CHECK`), in the report's
+  ``implausible``, a warning in the log and the SR's findings; the case is written all the same.
 * :class:`InferenceSummary` completes ``inference_report.json`` (written by :func:`scripts.inputs.find_inputs`)
-  case by case -- ``done`` with its files and seconds, or ``failed`` with the stage and the reason -- records the
-  ``models`` used, and prints one line at the end.
+  case by case -- ``done`` with its files, seconds and any ``flags``, or ``failed`` with the stage and the reason --
+  records the ``models`` used, and prints one line at the end (naming the flagged cases, if any).
 * :func:`exit_on_failures` ends the command with status 1 when any case failed (the others are written), the
   convention of ``scripts.tcia``'s downloader.
 """
@@ -43,7 +47,7 @@ from scripts.figures import png_bytes, render_planes
 from scripts.files import display_name, save_nifti, write_json
 from scripts.geometry import voxel_volume_ml
 from scripts.inputs import slice_map_of
-from scripts.report import report_rows, tumour_report, write_report, write_report_csv
+from scripts.report import WHAT_TO_CHECK, implausible, report_rows, tumour_report, write_report, write_report_csv
 from scripts.writers.rtstruct import write_rtstruct
 from scripts.writers.seg import algorithm_identification, write_dicom_seg
 from scripts.writers.sr import write_sr
@@ -75,6 +79,8 @@ class SaveCased(MapTransform):
         write_sr: bool = False,
         write_report: bool = False,
         models: Mapping[str, str] | None = None,
+        plausible: Mapping[str, float] | None = None,
+        inferer: Any = None,
     ) -> None:
         super().__init__(keys, allow_missing_keys)
         self.enabled = enabled
@@ -84,6 +90,8 @@ class SaveCased(MapTransform):
         self.write_report = write_report
         self.version = str(algorithm_version)
         self.models = dict(models) if models else None
+        self.plausible = dict(plausible) if plausible else None
+        self.inferer = inferer  # its ``last["box_lps_mm"]``: where the network ran on the case just predicted
         self.algorithm = algorithm_identification(algorithm_version)
         if self.models:  # which weights (and TTA, post-processing) made the segmentation, as DICOM records it
             self.algorithm[0].AlgorithmParameters = ",".join(f"{k}={v}" for k, v in self.models.items())
@@ -105,13 +113,14 @@ class SaveCased(MapTransform):
         finally:
             shutil.rmtree(staging, ignore_errors=True)
         final = self.output_dir / case_id
-        for key, (files, report) in outputs.items():
+        for key, (files, report, flags) in outputs.items():
             d[f"{key}_files"] = {kind: str(final / Path(path).name) for kind, path in files.items()}
+            d[f"{key}_flags"] = [flag["finding"] for flag in flags]
             if report is not None:
                 write_report_csv(self.output_dir / "report.csv", report_rows(case_id, report))
         return d
 
-    def _write(self, d: dict, tensor, case_id: str, folder: Path) -> tuple[dict[str, str], dict | None]:
+    def _write(self, d: dict, tensor, case_id: str, folder: Path) -> tuple[dict[str, str], dict | None, list[dict]]:
         labels = np.asarray(tensor.detach().cpu()).reshape(tensor.shape[-3:]).astype(np.uint8)
         affine = np.asarray(tensor.meta.get("original_affine", tensor.affine), dtype=float)
         files = {"nifti": str(save_nifti(folder / f"{case_id}_seg.nii.gz", labels, affine))}
@@ -122,8 +131,8 @@ class SaveCased(MapTransform):
         if slices is not None:
             logger.info("%s: labels mapped from the resampled %s grid back onto the %d original slices", case_id,
                         "x".join(map(str, labels.shape)), on_slices.shape[2])  # fmt: skip
-        report, ct = (
-            self._report(d, labels, affine, case_id, folder, files, slices) if self.write_report else (None, None)
+        report, ct, flags = (
+            self._report(d, labels, affine, case_id, folder, files, slices) if self.write_report else (None, None, [])
         )
         if dicom and (self.write_seg or self.write_rtstruct or (self.write_sr and report is not None)):
             series = ct.scanned if ct is not None else scan_ct_series(series, resample=True)  # headers read once
@@ -135,11 +144,12 @@ class SaveCased(MapTransform):
             write_rtstruct(on_slices, series, self.labels, files["rtstruct"], self.version)
         if dicom and self.write_sr and report is not None:
             files["sr"] = str(folder / f"{case_id}_sr.dcm")
-            write_sr(report, series, files.get("dicom_seg"), files["sr"], self.version)
+            write_sr(report, series, files.get("dicom_seg"), files["sr"], self.version, flags)
         voxel_ml = voxel_volume_ml(affine)
-        volumes = {n: round(float((labels == i).sum()) * voxel_ml, 3) for i, n in enumerate(self.labels, start=1)}
+        counts = np.bincount(labels.ravel(), minlength=len(self.labels) + 1)
+        volumes = {n: round(float(counts[i]) * voxel_ml, 3) for i, n in enumerate(self.labels, start=1)}
         logger.info("%s: %s, volumes (ml) %s", case_id, ", ".join(Path(f).name for f in files.values()), volumes)
-        return files, report
+        return files, report, flags
 
     def _report(
         self,
@@ -150,13 +160,19 @@ class SaveCased(MapTransform):
         folder: Path,
         files: dict,
         slices: SliceMap | None,
-    ) -> tuple[dict, CtSeries | None]:
+    ) -> tuple[dict, CtSeries | None, list[dict]]:
         """The tumour report of the prediction, with HU from the case's CT read again (on the grid the prediction is
         on), as JSON and as a three-plane picture; a resampled series' notes say how, and where the DICOM labels are.
-        Also the series read (its headers serve the DICOM writers), None for NIfTI."""
+        Also the series read (its headers serve the DICOM writers), None for NIfTI, and what makes the tumour
+        implausible (logged as a warning, in the report with what to check)."""
         hu, notes, ct = original_ct(d.get("slice_paths") or d["source_path"], d.get("source", "dicom"), labels.shape)
-        report = tumour_report(labels, hu, affine, self.labels)
+        report = tumour_report(labels, hu, affine, self.labels, region_on(self.inferer, affine, labels.shape))
+        flags = implausible(report, self.plausible) if self.plausible else []
         context = {"input": display_name(str(d["source_path"])), "model_version": self.version}
+        if flags:
+            context["implausible"] = {"findings": flags, "what_to_check": WHAT_TO_CHECK}
+            logger.warning("%s: implausible prediction: %s; %s", case_id, "; ".join(f["finding"] for f in flags),
+                           WHAT_TO_CHECK)  # fmt: skip
         if slices is not None:
             grid = "x".join(map(str, labels.shape))
             notes.append(f"this report and the NIfTI are on the resampled {grid} grid; the DICOM SEG and RTSTRUCT "
@@ -169,7 +185,22 @@ class SaveCased(MapTransform):
         picture = render_planes(hu, labels, affine, title=f"{case_id}: {', '.join(self.labels)}")
         files["picture"] = str(folder / f"{case_id}_report.png")
         Path(files["picture"]).write_bytes(png_bytes(picture))
-        return report, ct
+        return report, ct, flags
+
+
+def region_on(inferer: Any, affine: np.ndarray, shape: Sequence[int]) -> tuple[np.ndarray, np.ndarray] | None:
+    """The box the network last ran on (``inferer.last["box_lps_mm"]``, :class:`scripts.inferers.
+    FallbackSlidingWindowInferer`'s record, in world mm) as (start, stop) voxel indices of the grid ``affine`` (RAS)
+    and ``shape`` places: the voxels whose centres lie in it. None when the inferer does not say."""
+    corners = (getattr(inferer, "last", None) or {}).get("box_lps_mm")
+    if corners is None:
+        return None
+    low, high = (np.asarray(c, float) * [-1.0, -1.0, 1.0] for c in corners)  # LPS -> RAS
+    grid = np.array(np.meshgrid(*np.stack([low, high], axis=1), indexing="ij")).reshape(3, -1).T
+    ijk = (grid - affine[:3, 3]) @ np.linalg.inv(affine[:3, :3]).T
+    start = np.clip(np.ceil(ijk.min(0) - 1e-6), 0, shape).astype(int)
+    stop = np.clip(np.floor(ijk.max(0) + 1e-6) + 1, 0, shape).astype(int)
+    return start, stop
 
 
 def original_ct(
@@ -236,8 +267,14 @@ class InferenceSummary:
             timing["region"] = {k: v for k, v in last.items() if k != "seconds"}
         for item in merged_items(engine):
             files = {k: v for key, value in item.items() if key.endswith("_files") for k, v in value.items()}
-            self._update(str(item.get("case_id")), status="done", outputs=files, seconds=seconds, **timing)
-            logger.info("%s: %.1f s (%s)", item.get("case_id"), seconds, _stages(timing))
+            flags = [flag for key, value in item.items() if key.endswith("_flags") for flag in value]
+            judged = {"flags": flags, "what_to_check": WHAT_TO_CHECK} if flags else {}
+            self._update(str(item.get("case_id")), status="done", outputs=files, seconds=seconds, **timing, **judged)
+            if flags:
+                logger.warning("%s: %.1f s (%s); FLAGGED: %s; %s", item.get("case_id"), seconds, _stages(timing),
+                               "; ".join(flags), WHAT_TO_CHECK)  # fmt: skip
+            else:
+                logger.info("%s: %.1f s (%s)", item.get("case_id"), seconds, _stages(timing))
         for failure in getattr(engine, "failures", [])[len(self._failed()) :]:
             self._update(failure.get("case_id", "?"), status="failed", stage=failure["stage"],
                          reason=failure["reason"], seconds=seconds)  # fmt: skip
@@ -249,6 +286,8 @@ class InferenceSummary:
     def _update(self, case_id: str, **fields: Any) -> None:
         for case in self.report["cases"]:
             if case.get("case_id") == case_id:
+                for stale in ("flags", "what_to_check"):  # from an earlier run of the case
+                    case.pop(stale, None)
                 case.update(fields)
                 return
         self.report["cases"].append({"case_id": case_id, **fields})
@@ -258,12 +297,16 @@ class InferenceSummary:
         cases = self.report["cases"]
         done = [c for c in cases if c.get("status") == "done"]
         failed = [c for c in cases if c.get("status") == "failed"]
-        self.report.update(num_done=len(done), num_failed=len(failed), num_skipped=len(self.report["skipped"]))
+        flagged = [str(c.get("case_id")) for c in done if c.get("flags")]
+        self.report.update(num_done=len(done), num_failed=len(failed), num_skipped=len(self.report["skipped"]),
+                           num_flagged=len(flagged))  # fmt: skip
         write_json(self.output_dir / REPORT, self.report)
         per_case = total / max(len(done) + len(failed), 1)
+        names = ", ".join(flagged[:10]) + (", ..." if len(flagged) > 10 else "")
         print(
             f"inferred {len(done)} case(s) in {total:.1f} s ({per_case:.1f} s per case, loading included) "
             f"-> {self.output_dir}; failed {len(failed)}, skipped {len(self.report['skipped'])} (see {REPORT})"
+            + (f"; {len(flagged)} flagged as implausible, written all the same: {names}" if flagged else "")
         )
 
 

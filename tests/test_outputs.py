@@ -3,7 +3,9 @@
 ``<case>_seg.dcm`` that highdicom reads back with the same voxels; nothing when disabled; and the one line printed at
 the end with the number of cases and of skipped cases. A series acquired at uneven spacing (and with a gantry tilt),
 inferred through LoadCased, collation, the preprocessing's geometry and its inversion: its SEG (highdicom) and
-RTSTRUCT (pydicom by hand) on every original instance with the tumour where the independent writer put it, in mm."""
+RTSTRUCT (pydicom by hand) on every original instance with the tumour where the independent writer put it, in mm.
+A tumour no lung GTV is likely to be is flagged -- in its report with what to check, a warning, the SR, the summary
+and its printed line -- and written all the same."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import logging
 import shutil
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 
 import highdicom as hd
 import nibabel as nib
@@ -34,9 +37,12 @@ from monai.transforms import (
     Spacingd,
     SpatialPadd,
 )
+from pydicom.sr.codedict import codes
 from scripts.evaluators import CaseByCaseEvaluator
 from scripts.inputs import CaseDataset, LoadCased, find_inputs
 from scripts.outputs import InferenceSummary, SaveCased
+from scripts.region import Region
+from scripts.report import WHAT_TO_CHECK
 from scripts.synthetic import write_case
 
 LABELS = ["GTV-1", "Heart"]
@@ -168,9 +174,64 @@ def test_no_seg_unless_asked_for_and_the_input_is_dicom(tmp_path, dicom_case, wr
     assert sorted(p.name for p in (tmp_path / "P1").iterdir()) == ["P1_seg.nii.gz"]
 
 
-def run_inference(output_dir: Path, cases: int, failed: tuple[str, ...] = ()) -> None:
-    """An engine whose iterations are cases: each one's output names its files, as SaveCased leaves them, unless it
-    is in ``failed`` (then the engine records it, as CaseByCaseEvaluator does, and the output is empty)."""
+def test_an_implausible_tumour_is_flagged_with_what_to_check_and_written_all_the_same(tmp_path, dicom_case, caplog):
+    """A GTV above the volume limit and filling the whole box the network ran on (the inferer's last region, as
+    FallbackSlidingWindowInferer records it in world mm): both findings in the report with what to check, a warning,
+    the SR's quality findings and the item the summary reads; every file is written."""
+    truth, _, labels = dicom_case
+    gtv = Region((10, 5, 3), (20, 30, 6), "thorax")  # exactly the GTV's voxels (dicom_case)
+    inferer = SimpleNamespace(last={"box_lps_mm": gtv.corners_world(np.diag([-1.0, -1.0, 1.0, 1.0]) @ ORIGINAL)})
+    limits = {"max_volume_ml": 1.0, "max_components": 10, "max_border_fraction": 0.5}
+    data = {"case_id": "P1", "pred": prediction(labels), "source": "dicom", "source_path": truth["image_dir"]}
+    with caplog.at_level(logging.WARNING, logger="scripts.outputs"):
+        out = SaveCased("pred", tmp_path, LABELS, write_rtstruct=True, write_sr=True, write_report=True,
+                        plausible=limits, inferer=inferer)(data)  # fmt: skip
+    assert set(out["pred_files"]) == {"nifti", "report", "picture", "dicom_seg", "rtstruct", "sr"}
+    assert out["pred_flags"] == [
+        "GTV-1: 9.0 ml, more than a lung GTV is likely to be (limit 1 ml)",
+        "GTV-1: fills 100% of the border of the region the network ran on (limit 50%)",
+    ]
+    flagged = json.loads(Path(out["pred_files"]["report"]).read_text())["implausible"]
+    assert [f["measurement"] for f in flagged["findings"]] == ["volume_ml", "region_border_fraction"]
+    assert flagged["what_to_check"] == WHAT_TO_CHECK
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warning.startswith("P1: implausible prediction: GTV-1: 9.0 ml") and warning.endswith(WHAT_TO_CHECK)
+    group = hd.sr.srread(out["pred_files"]["sr"]).content.get_volumetric_roi_measurement_groups()[0]
+    meanings = [e.value.meaning for e in group.get_qualitative_evaluations(name=codes.DCM.QualityFinding)]
+    assert len(meanings) == 3 and meanings[-1].startswith("Check the weights' labels")
+
+
+def test_a_plausible_tumour_is_not_flagged(tmp_path, dicom_case):
+    truth, _, labels = dicom_case
+    limits = {"max_volume_ml": 1000, "max_components": 10, "max_border_fraction": 0.5}
+    data = {"case_id": "P1", "pred": prediction(labels), "source": "nifti", "source_path": truth["image_dir"]}
+    out = SaveCased("pred", tmp_path, LABELS, write_report=True, plausible=limits)(data)
+    assert out["pred_flags"] == []
+    assert "implausible" not in json.loads(Path(out["pred_files"]["report"]).read_text())
+
+
+def test_the_summary_records_the_flags_and_names_the_flagged_cases_in_its_line(tmp_path, capsys, caplog):
+    with caplog.at_level(logging.WARNING, logger="scripts.outputs"):
+        run_inference(tmp_path, 3, flagged=("C1",))
+    written = {c["case_id"]: c for c in json.loads((tmp_path / "inference_report.json").read_text())["cases"]}
+    assert written["C1"]["status"] == "done" and written["C1"]["flags"] == ["GTV-1: C1 looks wrong"]
+    assert written["C1"]["what_to_check"] == WHAT_TO_CHECK and "flags" not in written["C0"]
+    assert (
+        capsys.readouterr()
+        .out.rstrip()
+        .endswith("skipped 0 (see inference_report.json); 1 flagged as implausible, written all the same: C1")
+    )
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warning.startswith("C1: ") and "FLAGGED: GTV-1: C1 looks wrong" in warning
+    run_inference(tmp_path, 3)  # the same cases again, now plausible: the flags go
+    written = {c["case_id"]: c for c in json.loads((tmp_path / "inference_report.json").read_text())["cases"]}
+    assert "flags" not in written["C1"] and "what_to_check" not in written["C1"]
+
+
+def run_inference(output_dir: Path, cases: int, failed: tuple[str, ...] = (), flagged: tuple[str, ...] = ()) -> None:
+    """An engine whose iterations are cases: each one's output names its files (and its flags, for a case in
+    ``flagged``), as SaveCased leaves them, unless it is in ``failed`` (then the engine records it, as
+    CaseByCaseEvaluator does, and the output is empty)."""
 
     def step(engine: Engine, case_id: str):
         engine.state.batch = [{"case_id": case_id}]
@@ -178,7 +239,8 @@ def run_inference(output_dir: Path, cases: int, failed: tuple[str, ...] = ()) ->
             engine.failures.append({"case_id": case_id, "stage": "read", "reason": f"{case_id}: cut pixel data"})
             engine.state.batch = []
             return []
-        return [{"pred_files": {"nifti": str(output_dir / case_id / f"{case_id}_seg.nii.gz")}}]
+        flags = [f"GTV-1: {case_id} looks wrong"] if case_id in flagged else []
+        return [{"pred_files": {"nifti": str(output_dir / case_id / f"{case_id}_seg.nii.gz")}, "pred_flags": flags}]
 
     engine = Engine(step)
     engine.failures = []

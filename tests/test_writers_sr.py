@@ -1,4 +1,5 @@
-"""The DICOM SR measurement report, read back with highdicom's own SR reader and checked with dciodvfy."""
+"""The DICOM SR measurement report, read back with highdicom's own SR reader and checked with dciodvfy; a structure
+flagged as implausible carries its findings and what to check as coded quality findings a reader parses back."""
 
 from __future__ import annotations
 
@@ -10,10 +11,10 @@ import pydicom
 import pytest
 from pydicom.sr.codedict import codes
 from scripts.dicom import read_ct_series, read_seg_labels
-from scripts.report import tumour_report
+from scripts.report import implausible, tumour_report
 from scripts.synthetic import write_case
 from scripts.writers.seg import algorithm_identification, write_dicom_seg
-from scripts.writers.sr import write_sr
+from scripts.writers.sr import CHECK, FINDINGS, SCHEME, write_sr
 
 NAMES = ["GTV-1", "Heart", "Esophagus-absent"]
 
@@ -103,3 +104,23 @@ def test_dciodvfy_finds_no_error(case, seg_as):
     result = subprocess.run([dciodvfy, str(path)], capture_output=True, text=True, timeout=60)
     errors = [line for line in (result.stdout + result.stderr).splitlines() if line.startswith("Error")]
     assert not errors, "\n".join(errors)
+
+
+def test_a_flagged_structure_carries_its_findings_and_what_to_check_as_quality_findings(case):
+    flags = implausible(case["report"], {"max_volume_ml": 0.001, "max_components": 10})  # every GTV is "too big"
+    assert [(f["structure"], f["measurement"]) for f in flags] == [("GTV-1", "volume_ml")]
+    path = case["dir"] / "sr_flagged.dcm"
+    write_sr(case["report"], case["truth"]["image_dir"], case["seg"], path, "1.2.3", flags)
+    groups = check_numbers(path, case["report"])  # the numbers as they were
+    found = groups["GTV-1"].get_qualitative_evaluations(name=codes.DCM.QualityFinding)
+    assert [e.value for e in found] == [FINDINGS["volume_ml"], CHECK]
+    assert found[0].value.meaning == "Volume above what a lung GTV is likely to be"
+    assert "weights' labels" in found[1].value.meaning and "body region and modality" in found[1].value.meaning
+    assert groups["Heart"].get_qualitative_evaluations(name=codes.DCM.QualityFinding) == []
+    schemes = pydicom.dcmread(path).CodingSchemeIdentificationSequence
+    assert [s.CodingSchemeDesignator for s in schemes] == [SCHEME]
+    dciodvfy = shutil.which("dciodvfy")
+    if dciodvfy:
+        result = subprocess.run([dciodvfy, str(path)], capture_output=True, text=True, timeout=60)
+        errors = [line for line in (result.stdout + result.stderr).splitlines() if line.startswith("Error")]
+        assert not errors, "\n".join(errors)

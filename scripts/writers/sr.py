@@ -9,7 +9,12 @@ written atomically, with one measurement group per structure:
   a SEG -- a volume surface POINT at its centroid in the CT's frame of reference and series; measurements: volume
   (mm3), long axis, short axis, maximum diameter (mm), mean and standard deviation of the attenuation (HU) when the
   report has them; laterality (left/right) as a qualitative evaluation;
-* a structure not found: TID 1501 group with volume 0 mm3, so "looked for, found nothing" is stated, not implied.
+* a structure not found: TID 1501 group with volume 0 mm3, so "looked for, found nothing" is stated, not implied;
+* a structure flagged as implausible (:func:`scripts.report.implausible`): in its group, one qualitative evaluation
+  "Quality Finding" (DCM 111052) per finding -- its value coded in this bundle's private scheme :data:`SCHEME`
+  (declared in the Coding Scheme Identification Sequence), e.g. "Volume above what a lung GTV is likely to be" --
+  and one whose value says what to check ("Check the weights' labels, the input's body region and modality"), so a
+  PACS shows the warning beside the numbers it is about.
 
 Finding type and category reuse the SNOMED codes of the SEG segments (:func:`scripts.dicom.segment_description`).
 """
@@ -32,6 +37,18 @@ from scripts.writers.seg import ALGORITHM_NAME, MANUFACTURER, with_type_2
 logger = logging.getLogger(__name__)
 
 SERIES_NUMBER_OFFSET = 9200  # the SEG takes the CT's series number + 9000, the RTSTRUCT + 9100
+#: this bundle's private coding scheme for its findings (PS3.16: a designator starting with 99 is private)
+SCHEME = "99NSCLCSWIN"
+#: the coded value of each finding of :func:`scripts.report.implausible` (by measurement), and of what to check
+FINDINGS = {
+    "volume_ml": hd.sr.CodedConcept("IMPL-VOLUME", SCHEME, "Volume above what a lung GTV is likely to be"),
+    "components": hd.sr.CodedConcept("IMPL-PIECES", SCHEME, "More separate pieces than a lung GTV is likely to have"),
+    "region_border_fraction": hd.sr.CodedConcept("IMPL-BORDER", SCHEME, "Fills most of the analysed region's border"),
+}
+OUR_SCHEME = hd.coding_schemes.CodingSchemeIdentificationItem(
+    designator=SCHEME, name=f"{ALGORITHM_NAME} findings", responsible_organization=MANUFACTURER
+)
+CHECK = hd.sr.CodedConcept("CHECK-INPUT", SCHEME, "Check the weights' labels, the input's body region and modality")
 
 
 def write_sr(
@@ -40,10 +57,12 @@ def write_sr(
     seg: pydicom.Dataset | str | Path | None,
     path: str | Path,
     algorithm_version: str,
+    flags: Sequence[dict] = (),
 ) -> hd.sr.Comprehensive3DSR:
     """A TID 1500 measurement report of ``report`` ({structure: measurements}) on the CT series ``ct`` (its folder, its
-    files or its headers), referencing the segments of ``seg`` by name (None: the CT itself), written atomically
-    to ``path``."""
+    files or its headers), referencing the segments of ``seg`` by name (None: the CT itself), with ``flags``
+    (:func:`scripts.report.implausible`'s findings) as quality findings of their structures, written atomically to
+    ``path``."""
     given = [ct] if isinstance(ct, str | Path) else list(ct)
     if not all(isinstance(item, pydicom.Dataset) for item in given):  # a folder or files: read the headers
         given = [ds for _, ds in scan_ct_series(ct, resample=True)[0]]
@@ -53,7 +72,7 @@ def write_sr(
         raise ValueError(f"{seg}: not a DICOM SEG (SOP class {seg_ds.SOPClassUID}); pass the SEG or None.")
     algorithm = hd.sr.AlgorithmIdentification(name=ALGORITHM_NAME, version=str(algorithm_version))
     groups = [
-        _group(name, number, measured, slices[0], seg_ds, algorithm)
+        _group(name, number, measured, slices[0], seg_ds, algorithm, [f for f in flags if f["structure"] == name])
         for number, (name, measured) in enumerate(report.items(), start=1)
     ]
     observer = hd.sr.ObserverContext(
@@ -78,12 +97,13 @@ def write_sr(
         manufacturer=MANUFACTURER,
         series_description=f"{ALGORITHM_NAME} measurements"[:64],
         is_complete=True,
+        coding_schemes=[OUR_SCHEME] if flags else None,
     )
     replace_atomically(path, sr.save_as)
     return sr
 
 
-def _group(name: str, number: int, measured: dict, ct: pydicom.Dataset, seg, algorithm):
+def _group(name: str, number: int, measured: dict, ct: pydicom.Dataset, seg, algorithm, flags: Sequence[dict]):
     """The measurement group of one structure (see the module docstring)."""
     description = segment_description(number, name)
     finding = {
@@ -106,6 +126,8 @@ def _group(name: str, number: int, measured: dict, ct: pydicom.Dataset, seg, alg
             frame_of_reference_uid=str(ct.FrameOfReferenceUID), source_series=source)}  # fmt: skip
     laterality = {"left": codes.SCT.Left, "right": codes.SCT.Right}.get(str(measured.get("side")))
     evaluations = [] if laterality is None else [hd.sr.QualitativeEvaluation(codes.SCT.Laterality, laterality)]
+    findings = [FINDINGS[flag["measurement"]] for flag in flags] + ([CHECK] if flags else [])
+    evaluations += [hd.sr.QualitativeEvaluation(codes.DCM.QualityFinding, value) for value in findings]
     return hd.sr.VolumetricROIMeasurementsAndQualitativeEvaluations(
         measurements=_measurements(measured), qualitative_evaluations=evaluations or None, **where, **finding
     )
