@@ -131,37 +131,37 @@ def _roi_contour(number: int, name: str, points, planes, starts, places, referen
 def _contour_items(points, planes, starts, places, references: list[bytes]) -> bytes:
     """The items of a Contour Sequence, encoded for all contours at once: each is its CT slice's Contour Image
     Sequence, CLOSED_PLANAR, its number of points, its number (1, 2, ...) and its points in world mm to 0.1
-    micrometre. Each item's bytes are assembled as a row of a character matrix with the characters that count marked,
-    the contour data as text runs (:func:`_decimal_text`); the rows and the runs are then laid out one after the
-    other."""
+    micrometre. Each item's head is assembled as a row of a character matrix with the characters that count marked
+    (blocks of (characters, which count, how many count)), the contour data as text runs (:func:`_runs`); heads and
+    runs are then laid out one after the other."""
     origin, along_column, along_row = places
     world = origin[planes] + points[:, :1] * along_column[planes] + points[:, 1:] * along_row[planes]
     data, data_ends = _runs(world.ravel(), 4, 3 * starts)
     data_length = np.diff(data_ends, prepend=0)
-    count = len(starts) - 1
-    longest = max(len(r) for r in references)
-    reference = np.zeros((len(references), longest), np.uint8)
-    reference_keep = np.arange(longest) < np.array([len(r) for r in references])[:, None]
+    count, plane = len(starts) - 1, planes[starts[:-1]]
+    lengths = np.array([len(r) for r in references])
+    reference = np.zeros((len(references), lengths.max()), np.uint8)
+    reference_keep = np.arange(lengths.max()) < lengths[:, None]
     reference[reference_keep] = np.frombuffer(b"".join(references), np.uint8)
-    plane = planes[starts[:-1]]
-    blocks = [(reference[plane], reference_keep[plane]), _constant(_element(0x30060042, "CS", b"CLOSED_PLANAR"), count)]
+    blocks = [(reference[plane], reference_keep[plane], lengths[plane]),
+              _constant(_element(0x30060042, "CS", b"CLOSED_PLANAR"), count)]  # fmt: skip
     for tag, value in ((0x30060046, np.diff(starts)), (0x30060048, np.arange(1, count + 1))):
-        text, keep = _even(*_decimal_text(value, 0))
-        blocks += [_header(tag, "IS", keep.sum(1)), (text, keep)]
-    long = (data_length > 0xFFFF)[:, None]  # as pydicom writes it: UN with a 4-byte length (PS3.5 6.2.2)
-    (short, short_keep), (unknown, unknown_keep) = (_header(0x30060050, vr, data_length) for vr in ("DS", "UN"))
-    blocks.append((np.where(long, unknown, short), np.where(long, unknown_keep, short_keep)))
-    item_length = sum(keep.sum(1) for _, keep in blocks) + data_length
-    blocks.insert(0, (np.hstack([_constant(struct.pack("<HH", 0xFFFE, 0xE000), count)[0], _little(item_length, 4)]),
-                      np.ones((count, 8), bool)))  # fmt: skip
+        text = _even(*_decimal_text(value, 0))
+        blocks += [_header(tag, "IS", text[2]), text]
+    long = data_length > 0xFFFF  # as pydicom writes it: UN with a 4-byte length (PS3.5 6.2.2)
+    short, unknown = (_header(0x30060050, vr, data_length) for vr in ("DS", "UN"))
+    blocks.append(tuple(np.where(long[:, None] if a.ndim == 2 else long, b, a) for a, b in zip(short, unknown)))
+    item_length = sum(block[2] for block in blocks) + data_length
+    start = np.hstack([_constant(struct.pack("<HH", 0xFFFE, 0xE000), count)[0], _little(item_length, 4)])
+    blocks.insert(0, (start, np.ones((count, 8), bool), np.full(count, 8)))
     chars, keep = np.hstack([b[0] for b in blocks]), np.hstack([b[1] for b in blocks])
-    return _interleave(chars[keep].tobytes(), np.cumsum(keep.sum(1)), data, data_ends)
+    return _interleave(chars[keep].tobytes(), np.cumsum(sum(b[2] for b in blocks)), data, data_ends)
 
 
-def _decimal_text(values: np.ndarray, places: int, spare: int = 0) -> tuple[np.ndarray, np.ndarray]:
+def _decimal_text(values: np.ndarray, places: int, spare: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``values`` as decimal text rounded to ``places`` decimals, trailing zeros dropped (``-12.5``, ``100``,
-    ``0.0003``): a character matrix, one row per value, with ``spare`` empty columns at the end, and which of its
-    characters count. The digits come from tables of every whole part and every decimal part, one look-up each."""
+    ``0.0003``): a character matrix, one row per value, with ``spare`` empty columns at the end, which of its
+    characters count, and how many. The digits come from tables of every whole part and every decimal part."""
     scaled = np.rint(np.asarray(values, float) * 10**places).astype(np.int64)
     whole, fraction = np.divmod(np.abs(scaled), 10**places)
     digits = len(str(int(whole.max()))) if whole.size else 1
@@ -169,15 +169,18 @@ def _decimal_text(values: np.ndarray, places: int, spare: int = 0) -> tuple[np.n
     chars, keep = np.zeros((len(scaled), width + spare), np.uint8), np.zeros((len(scaled), width + spare), bool)
     chars[:, 0], keep[:, 0] = ord("-"), scaled < 0
     text, used = _digit_table(digits)
-    chars[:, 1 : 1 + digits], keep[:, 1 : 1 + digits] = text[whole], np.arange(digits) >= digits - used[whole][:, None]
+    used = used[whole]
+    chars[:, 1 : 1 + digits], keep[:, 1 : 1 + digits] = text[whole], np.arange(digits) >= digits - used[:, None]
+    length = keep[:, 0] + used
     if places:
-        text, used = _digit_table(places)
+        text, _ = _digit_table(places)
         zeros = sum((np.arange(10**places) % 10**d == 0).astype(int) for d in range(1, places + 1))
-        shown = np.where(np.arange(10**places) == 0, 0, places - np.minimum(zeros, places))  # to the last non-zero
-        chars[:, digits + 1], keep[:, digits + 1] = ord("."), shown[fraction] > 0
+        shown = np.where(np.arange(10**places) == 0, 0, places - np.minimum(zeros, places))[fraction]  # to the last
+        chars[:, digits + 1], keep[:, digits + 1] = ord("."), shown > 0  # non-zero decimal
         chars[:, digits + 2 : width] = text[fraction]
-        keep[:, digits + 2 : width] = np.arange(places) < shown[fraction][:, None]
-    return chars, keep
+        keep[:, digits + 2 : width] = np.arange(places) < shown[:, None]
+        length += np.where(shown > 0, shown + 1, 0)
+    return chars, keep, length
 
 
 def _digit_table(digits: int) -> tuple[np.ndarray, np.ndarray]:
@@ -191,35 +194,40 @@ def _digit_table(digits: int) -> tuple[np.ndarray, np.ndarray]:
 def _runs(values: np.ndarray, places: int, bounds: np.ndarray) -> tuple[bytes, np.ndarray]:
     """``values`` as :func:`_decimal_text` in runs ``bounds[j]:bounds[j + 1]``, ``\\``-separated within a run and
     each run padded to an even length with a space: all runs' bytes and each run's end in them."""
-    chars, keep = _decimal_text(values, places, spare=1)
+    chars, keep, length = _decimal_text(values, places, spare=1)
     last = np.asarray(bounds[1:]) - 1
     chars[:, -1], keep[:, -1] = ord("\\"), True
     keep[last, -1] = False
-    length = np.add.reduceat(keep.sum(1), np.asarray(bounds[:-1]))
-    chars[last, -1], keep[last, -1] = ord(" "), length % 2 == 1
-    return chars[keep].tobytes(), np.cumsum(length + length % 2)
+    run = np.add.reduceat(length, np.asarray(bounds[:-1])) + np.diff(bounds) - 1  # values and separators
+    chars[last, -1], keep[last, -1] = ord(" "), run % 2 == 1
+    return chars[keep].tobytes(), np.cumsum(run + run % 2)
 
 
-def _even(chars: np.ndarray, keep: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _even(chars: np.ndarray, keep: np.ndarray, length: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Text rows padded to an even length with a space."""
     pad = np.full((len(chars), 1), ord(" "), np.uint8)
-    return np.hstack([chars, pad]), np.hstack([keep, keep.sum(1, keepdims=True) % 2 == 1])
+    return np.hstack([chars, pad]), np.hstack([keep, (length % 2 == 1)[:, None]]), length + length % 2
 
 
-def _header(tag: int, vr: str, length: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _header(tag: int, vr: str, length: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Explicit VR element headers for values of ``length`` bytes, one row each: 12 columns, of which the first 8
     count for a VR with a 2-byte length."""
     rows = len(length)
     fixed = _constant(struct.pack("<HH2s", tag >> 16, tag & 0xFFFF, vr.encode()), rows)[0]
     if vr in LONG_VRS:
-        return np.hstack([fixed, np.zeros((rows, 2), np.uint8), _little(length, 4)]), np.ones((rows, 12), bool)
-    keep = np.broadcast_to(np.arange(12) < 8, (rows, 12))
-    return np.hstack([fixed, _little(length, 2), np.zeros((rows, 4), np.uint8)]), keep
+        chars = np.hstack([fixed, np.zeros((rows, 2), np.uint8), _little(length, 4)])
+        return chars, np.ones((rows, 12), bool), np.full(rows, 12)
+    chars = np.hstack([fixed, _little(length, 2), np.zeros((rows, 4), np.uint8)])
+    return chars, np.broadcast_to(np.arange(12) < 8, (rows, 12)), np.full(rows, 8)
 
 
-def _constant(value: bytes, rows: int) -> tuple[np.ndarray, np.ndarray]:
+def _constant(value: bytes, rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The same bytes on every row."""
-    return np.tile(np.frombuffer(value, np.uint8), (rows, 1)), np.ones((rows, len(value)), bool)
+    return (
+        np.tile(np.frombuffer(value, np.uint8), (rows, 1)),
+        np.ones((rows, len(value)), bool),
+        np.full(rows, len(value)),
+    )
 
 
 def _little(values: np.ndarray, size: int) -> np.ndarray:
