@@ -3,22 +3,32 @@
 
 The case is the chest phantom of :func:`scripts.synthetic.write_chest_case` (512 x 512 x 100 of 0.98 mm, 3 mm
 slices, as DICOM, the tumour of ``--pathology``). The oracle gives, inside the thorax region the shipped inferer finds,
-the logits a trained network gives on it: sure tumour inside the phantom's analytic tumour, falling off over a few mm
-at its surface, sure background elsewhere, and one small false-positive blob 30 mm away that the largest-component
-step must remove. Everything else is the shipped pipeline: the reading, the preprocessing, the region, the
-post-processing (softmax, inversion onto the CT's grid, argmax, largest component) and every writer. So the table is
-what a case costs besides its network, stage by stage and transform by transform, in seconds::
+the logits a network gives on it, for each of ``--masks``:
 
-    python -m benchmarks.bench_outputs [--slices 100] [--pathology none] [--repeats 3] [--output_dir DIR]
+* ``tumour``: a trained network's -- sure tumour inside the phantom's analytic tumour, falling off over a few mm at its
+  surface, sure background elsewhere, and one small false-positive blob 30 mm away that the largest-component step must
+  remove;
+* ``thorax``: weights that do not fit the input (random ones mark the whole thorax as tumour): tumour wherever the CT is
+  denser than -500 HU (body; the lungs' air holes in it), but for a vessel 2 mm across every 5 mm -- tens of thousands
+  of outline points per slice, the mask the report's short axis once took 45 s on. It must be flagged as implausible.
+
+Everything else is the shipped pipeline: the reading, the preprocessing, the region, the post-processing (softmax,
+inversion onto the CT's grid, argmax, largest component) and every writer. So the table is what a case costs besides
+its network, stage by stage and transform by transform, in seconds, a row per mask::
+
+    python -m benchmarks.bench_outputs [--slices 100] [--pathology none] [--repeats 3] [--masks tumour,thorax]
+                                       [--output_dir DIR]
 
 Each repeat runs the case again in the same process (the first pays Python's and the libraries' first calls, and is
-reported apart). It also checks what was written: the label map's tumour volume against the phantom's analytic one.
+reported apart). It also checks what was written: the tumour's volume against the phantom's analytic one, and that
+the thorax is flagged.
 """
 
 from __future__ import annotations
 
 import contextlib
 import cProfile
+import csv
 import json
 import pstats
 import shutil
@@ -35,15 +45,21 @@ from scripts.inferers import FallbackSlidingWindowInferer
 ROOT = Path(__file__).resolve().parents[1]
 #: the oracle's false positive: a sphere of this radius (mm), this far (mm, LPS) from the tumour's centre
 BLOB_RADIUS_MM, BLOB_OFFSET_MM = 5.0, (0.0, 0.0, 30.0)
+#: the thorax mask: tumour where the CT is above this (HU), but for vessels every VESSEL_PERIOD_MM (about 2 mm across)
+BODY_HU, VESSEL_PERIOD_MM = -500.0, 5.0
+MASKS = ("tumour", "thorax")
 
 
 class OracleInferer(FallbackSlidingWindowInferer):
     """The shipped inferer (its region, its placement of the region's output in the whole grid) with the windows'
-    network replaced by logits computed from the phantom's truth at each voxel's centre in LPS mm."""
+    network replaced by logits computed at each voxel's centre in LPS mm: from the phantom's truth (``mask``
+    "tumour") or from the CT itself ("thorax", see the module docstring)."""
 
-    def __init__(self, truth: dict, **kwargs: Any) -> None:
+    def __init__(self, truth: dict, mask: str = "tumour", **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.truth = truth
+        if mask not in MASKS:
+            raise ValueError(f"mask={mask!r}: choose among {MASKS}.")
+        self.truth, self.mask = truth, mask
         self._whole: torch.Tensor | None = None
 
     def __call__(self, inputs: torch.Tensor, network: Any, *args: Any, **kwargs: Any):
@@ -65,6 +81,16 @@ class OracleInferer(FallbackSlidingWindowInferer):
         axes = [np.arange(s.start, s.stop, dtype=float) for s in box]
         grid = np.stack(np.meshgrid(*axes, indexing="ij"), axis=-1)
         lps = (grid @ ras[:3, :3].T + ras[:3, 3]) * np.array([-1.0, -1.0, 1.0])
+        if self.mask == "thorax":
+            hu = (
+                np.asarray(inputs[0, 0][box].float().cpu()) * (self.hu_window[1] - self.hu_window[0])
+                + self.hu_window[0]
+            )
+            waves = np.sin(2 * np.pi * lps[..., 0] / VESSEL_PERIOD_MM) * np.sin(
+                2 * np.pi * lps[..., 1] / VESSEL_PERIOD_MM
+            )
+            tumour = np.where((hu > BODY_HU) & (waves <= 0.5), 12.0, -12.0)
+            return torch.from_numpy(np.stack([np.zeros_like(tumour), tumour])[None].astype(np.float32))
         centre = np.asarray(self.truth["tumour_centre_lps"], float)
         radii = np.asarray(self.truth["tumour_radii_mm"], float)
         inside = 1.0 - np.sqrt((((lps - centre) / radii) ** 2).sum(-1))  # > 0 inside, ~ mm / radius outside
@@ -75,51 +101,65 @@ class OracleInferer(FallbackSlidingWindowInferer):
 
 
 def main(
-    slices: int = 100, pathology: str = "none", repeats: int = 3, output_dir: str | None = None, profile: bool = False
+    slices: int = 100,
+    pathology: str = "none",
+    repeats: int = 3,
+    output_dir: str | None = None,
+    profile: bool = False,
+    masks: str | tuple = MASKS,
 ) -> dict:
-    """Write the case, run it ``repeats`` + 1 times, print the seconds per stage and per transform (``profile``: and
-    cProfile's 40 costliest calls of the last run)."""
-    from monai.bundle import ConfigWorkflow
+    """Write the case, run it ``repeats`` + 1 times for each of ``masks``, print the seconds per stage and per
+    transform (``profile``: and cProfile's 40 costliest calls of each mask's last run)."""
     from scripts.synthetic import write_chest_case
 
+    masks = tuple(m.strip() for m in masks.split(",")) if isinstance(masks, str) else tuple(masks)
     folder = Path(output_dir) if output_dir else Path(tempfile.mkdtemp(prefix="bench_outputs_"))
     try:
         truth = write_chest_case(folder / "in", "P1", (512, 512, int(slices)), pathology=pathology, seed=3)
         weights = _weights(folder / "models" / "model.pt")
-        runs = []
-        for repeat in range(int(repeats) + 1):
-            out = folder / "out" / str(repeat)
-            workflow = ConfigWorkflow(config_file=str(ROOT / "configs" / "inference.yaml"), workflow_type=None,
-                                      bundle_root=str(ROOT), input_dir=str(folder / "in"), output_dir=str(out),
-                                      model_path=str(weights), inference_backend="torch", num_workers=0,
-                                      feature_size=12)  # fmt: skip
-            workflow.initialize()
-            parser = workflow.parser
-            settings = dict(parser["sliding_window_inferer"])  # the shipped inferer's settings, resolved below
-            kwargs = {k: parser.get_parsed_content(f"sliding_window_inferer#{k}") for k in settings if k != "_target_"}
-            parser["sliding_window_inferer"] = OracleInferer(truth, **kwargs)
-            transforms = _timed(parser)
-            profiler = cProfile.Profile() if profile and repeat == repeats else None
-            start = time.perf_counter()
-            with profiler or contextlib.nullcontext():
-                workflow.run()
-            total = time.perf_counter() - start
-            if profiler is not None:
-                pstats.Stats(profiler).sort_stats("cumulative").print_stats(
-                    "scripts|pydicom|highdicom|PIL|nibabel|matplotlib", 45
-                )
-            workflow.finalize()
-            (case,) = json.loads((out / "inference_report.json").read_text())["cases"]
-            if case.get("status") != "done":
-                raise RuntimeError(f"the case failed: {case}")
-            runs.append({"total_s": total, "stages": case["stage_seconds"], "transforms": dict(transforms),
-                         "tumour_ml": _tumour_ml(out / "P1" / "P1_report.json")})  # fmt: skip
-        result = _summary(runs, truth)
+        results = {}
+        for mask in masks:
+            runs = [_run(folder, weights, truth, mask, f"{mask}-{r}", profile and r == repeats)
+                    for r in range(int(repeats) + 1)]  # fmt: skip
+            results[mask] = _summary(runs, truth)
+        result = {"slices": int(slices), "masks": results}
         print(format_result(result))
         return result
     finally:
         if not output_dir:
             shutil.rmtree(folder, ignore_errors=True)
+
+
+def _run(folder: Path, weights: Path, truth: dict, mask: str, name: str, profile: bool) -> dict:
+    """One run of the case through ``configs/inference.yaml`` with the oracle for ``mask``: its seconds, stages and
+    transforms, the tumour it wrote and its flags."""
+    from monai.bundle import ConfigWorkflow
+
+    out = folder / "out" / name
+    workflow = ConfigWorkflow(config_file=str(ROOT / "configs" / "inference.yaml"), workflow_type=None,
+                              bundle_root=str(ROOT), input_dir=str(folder / "in"), output_dir=str(out),
+                              model_path=str(weights), inference_backend="torch", num_workers=0,
+                              feature_size=12)  # fmt: skip
+    workflow.initialize()
+    parser = workflow.parser
+    settings = dict(parser["sliding_window_inferer"])  # the shipped inferer's settings, resolved below
+    kwargs = {k: parser.get_parsed_content(f"sliding_window_inferer#{k}") for k in settings if k != "_target_"}
+    parser["sliding_window_inferer"] = OracleInferer(truth, mask, **kwargs)
+    transforms = _timed(parser)
+    profiler = cProfile.Profile() if profile else None
+    start = time.perf_counter()
+    with profiler or contextlib.nullcontext():
+        workflow.run()
+    total = time.perf_counter() - start
+    if profiler is not None:
+        pstats.Stats(profiler).sort_stats("cumulative").print_stats("scripts|pydicom|highdicom|PIL|nibabel", 45)
+    workflow.finalize()
+    (case,) = json.loads((out / "inference_report.json").read_text())["cases"]
+    if case.get("status") != "done":
+        raise RuntimeError(f"the case failed: {case}")
+    shutil.rmtree(out / "P1", ignore_errors=True)  # a thorax's RTSTRUCT is ~100 MB: keep the disk to one run's
+    return {"total_s": total, "stages": case["stage_seconds"], "transforms": dict(transforms),
+            "tumour_ml": _tumour_ml(out / "report.csv"), "flags": case.get("flags", [])}  # fmt: skip
 
 
 def _weights(path: Path) -> Path:
@@ -159,8 +199,9 @@ class _Timed:
             self._seconds[self._name] = self._seconds.get(self._name, 0.0) + time.perf_counter() - clock
 
 
-def _tumour_ml(report_file: Path) -> float:
-    return round(float(json.loads(report_file.read_text())["structures"]["GTV-1"]["volume_ml"]), 2)
+def _tumour_ml(report_csv: Path) -> float:
+    (row,) = [r for r in csv.DictReader(report_csv.open()) if r["structure"] == "GTV-1"]
+    return round(float(row["volume_ml"]), 2)
 
 
 def _summary(runs: list[dict], truth: dict) -> dict:
@@ -174,7 +215,8 @@ def _summary(runs: list[dict], truth: dict) -> dict:
             "stages": {k: round(statistics.median(r["stages"].get(k, 0.0) for r in warm), 2) for k in stages},
             "transforms": {k: round(statistics.median(r["transforms"].get(k, 0.0) for r in warm), 2) for k in names},
             "tumour_ml": warm[-1]["tumour_ml"], "analytic_tumour_ml": round(4 / 3 * np.pi * radii.prod() / 1000, 2),
-            "postprocess_and_write_s": round(statistics.median(_around(r) for r in warm), 2)}  # fmt: skip
+            "postprocess_and_write_s": round(statistics.median(_around(r) for r in warm), 2),
+            "flags": warm[-1]["flags"]}  # fmt: skip
 
 
 def _around(run: dict) -> float:
@@ -183,13 +225,26 @@ def _around(run: dict) -> float:
 
 
 def format_result(result: dict) -> str:
-    lines = [f"seconds per case (median of {result['repeats']} warm runs; the first run: {result['first_total_s']} s): "
-             f"{result['total_s']} in all, postprocess + write {result['postprocess_and_write_s']}",
-             "| stage | s |", "|---|---|"]  # fmt: skip
-    lines += [f"| {k} | {v:.2f} |" for k, v in result["stages"].items()]
-    lines += ["", "| post-processing transform | s |", "|---|---|"]
-    lines += [f"| {k} | {v:.2f} |" for k, v in result["transforms"].items()]
-    lines.append(f"\ntumour: {result['tumour_ml']} ml written, {result['analytic_tumour_ml']} ml analytic")
+    """A row per mask (the seconds after the network: post-processing, and writing the report and every output), then
+    each mask's stages and post-processing transforms."""
+    lines = [f"seconds per case, a 512 x 512 x {result['slices']} chest CT, every output on (median of the warm runs):",
+             "| mask | written | flagged | postprocess | write (report + every output) | postprocess + write | total |",
+             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for mask, r in result["masks"].items():
+        flagged = f"yes ({len(r['flags'])})" if r["flags"] else "no"
+        seconds = [r["stages"].get("postprocess", 0.0), r["stages"].get("write", 0.0), r["postprocess_and_write_s"]]
+        cells = [mask, f"{r['tumour_ml']} ml", flagged, *(f"{v:.2f}" for v in [*seconds, r["total_s"]])]
+        lines.append("| " + " | ".join(cells) + " |")
+    for mask, r in result["masks"].items():
+        lines += ["", f"{mask}: {r['repeats']} warm runs (the first run: {r['first_total_s']} s)", "| stage | s |",
+                  "|---|---|"]  # fmt: skip
+        lines += [f"| {k} | {v:.2f} |" for k, v in r["stages"].items()]
+        lines += ["", "| post-processing transform | s |", "|---|---|"]
+        lines += [f"| {k} | {v:.2f} |" for k, v in r["transforms"].items()]
+        if mask == "tumour":
+            lines.append(f"tumour: {r['tumour_ml']} ml written, {r['analytic_tumour_ml']} ml analytic")
+        for flag in r["flags"]:
+            lines.append(f"flagged: {flag}")
     return "\n".join(lines)
 
 
