@@ -444,8 +444,8 @@ def _crossings(mask: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray, np.
         present = np.flatnonzero(segment[:, 0] >= 0)
         ends = np.take_along_axis(vertices[present], segment[present], axis=1)
         following[ends[:, 0]] = ends[:, 1]
-    (ar, ac, ak) = np.unravel_index(across, (rows + 2, columns + 1, planes))
-    (dr, dc, dk) = np.unravel_index(down, (rows + 1, columns + 2, planes))
+    ar, ac, ak = np.unravel_index(across, (rows + 2, columns + 1, planes))
+    dr, dc, dk = np.unravel_index(down, (rows + 1, columns + 2, planes))
     points = np.concatenate([np.stack([ar - 1.0, ac - 0.5], 1), np.stack([dr - 0.5, dc - 1.0], 1)])
     points += box[0][:2]
     return points, np.concatenate([ak, dk]) + box[0][2], following
