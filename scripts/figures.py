@@ -181,7 +181,7 @@ def render_planes(
         (ct[i, :, :].T[::-1], labels_lps[i, :, :].T[::-1], spacing[2], spacing[1], f"sagittal {i}"),
     ]
     low, high = float(window[0]), float(window[1])
-    pixel_mm = max(float(spacing.min()), float((spacing * labels_lps.shape).max()) / 512)  # at most 512 pixels
+    pixel_mm = picture_pixel_mm(spacing, labels_lps.shape)
     panels = []
     for image, label, row_mm, col_mm, _ in planes:
         image, label = (_square_mm(a, row_mm, col_mm, pixel_mm) for a in (image, label))
@@ -194,6 +194,19 @@ def render_planes(
     picture = np.concatenate([np.pad(p, ((0, height - p.shape[0]), (0, 4), (0, 0))) for p in panels], axis=1)
     names = "  ".join(p[4] for p in planes)
     return _caption(picture, [f"{title}  {names}", "patient's right on the image's left (axial, coronal)"])
+
+
+#: a panel's longest side in pixels: at least LARGEST_SIDE[0] (a small volume is enlarged, so its picture can be read
+#: in a report or a README), at most LARGEST_SIDE[1] (a large one is reduced); in between, a pixel per finest voxel
+LARGEST_SIDE = (384, 512)
+
+
+def picture_pixel_mm(spacing: Sequence[float], shape: Sequence[int]) -> float:
+    """The millimetres per picture pixel of :func:`render_planes` for a volume of ``shape`` voxels of ``spacing`` mm
+    (radiological axes): the finest voxel size, unless the longest side would then fall outside
+    :data:`LARGEST_SIDE` pixels."""
+    extent = float(np.max(np.asarray(spacing, float) * np.asarray(shape)))
+    return max(min(float(np.min(spacing)), extent / LARGEST_SIDE[0]), extent / LARGEST_SIDE[1])
 
 
 def _square_mm(plane: np.ndarray, row_mm: float, col_mm: float, pixel_mm: float) -> np.ndarray:

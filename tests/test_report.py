@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import scripts.report as report_module
 from scipy import ndimage
-from scripts.figures import render_planes
+from scripts.figures import picture_pixel_mm, render_planes
 from scripts.report import (
     CSV_COLUMNS,
     WHAT_TO_CHECK,
@@ -175,9 +175,21 @@ def test_planes_picture_is_radiological(orientation):
     ct = np.where(labels > 0, 40, -800).astype(np.int16)
     rgb = render_planes(ct, labels, affine, title="test")
     left_right = int(np.argmax(np.abs(affine[0, :3])))  # the voxel axis along the patient's left-right
-    width = round(shape_for(affine)[left_right] * np.linalg.norm(affine[:3, left_right]) / PIXEL)  # the axial panel
+    spacing = np.linalg.norm(affine[:3, :3], axis=0)
+    pixel_mm = picture_pixel_mm(spacing, shape_for(affine))
+    width = round(shape_for(affine)[left_right] * spacing[left_right] / pixel_mm)  # the axial panel
     red_columns = np.nonzero((rgb[:, :width] == [255, 60, 60]).all(-1).any(0))[0]
     assert red_columns.size and red_columns.min() > width / 2  # the grid is centred on x = 0
+
+
+@pytest.mark.parametrize(("shape", "spacing", "side"), [((64, 64, 40), (2.0, 2.0, 3.0), 384),
+                                                        ((512, 512, 120), (0.98, 0.98, 3.0), 512),
+                                                        ((1024, 1024, 300), (0.5, 0.5, 1.0), 512)])  # fmt: skip
+def test_the_picture_of_a_small_ct_is_enlarged_and_of_a_large_one_reduced(shape, spacing, side):
+    """The panels' longest side: a small volume enlarged to at least 384 pixels (the demo's 64 x 64 x 40 would be a
+    thumbnail), a planning CT at a pixel per voxel, a larger volume reduced to 512."""
+    extent = max(n * s for n, s in zip(shape, spacing, strict=True))
+    assert round(extent / picture_pixel_mm(spacing, shape)) == side
 
 
 def pairwise_extent(lines: list[np.ndarray], u: np.ndarray, v: np.ndarray) -> float:
