@@ -379,3 +379,6 @@ def test_dicom_cases_also_get_an_rtstruct_an_sr_and_a_report(inferred):
         seg_uid = hd.seg.segread(folder / f"{case}_seg.dcm").SOPInstanceUID
         assert seg_uid in str(sr), "the SR references the SEG it measures"
         assert (folder / f"{case}_report.png").read_bytes()[:4] == b"\x89PNG"
+        # a plausible tumour is not flagged (a thorax of tumour is: tests/test_outputs.py)
+        assert "implausible" not in json.loads((folder / f"{case}_report.json").read_text())
+        assert "flags" not in next(c for c in inferred[4]["cases"] if c["case_id"] == case)
