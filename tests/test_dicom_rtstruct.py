@@ -3,7 +3,8 @@
 The test writes its own RTSTRUCT (pydicom only): ellipse cross-sections of known ellipsoids on every CT slice, as a
 planning system draws them, on a CT with 0.7 x 0.7 x 3 mm voxels (also rotated by 180 degrees in plane). The truth is
 the analytic shape: a voxel belongs to it when its centre is inside, and its centroid is computed from the ellipsoids'
-volumes, never from a rasterised mask.
+volumes, never from a rasterised mask. Contour Data stored as UN, as another writer's Explicit VR file holds a value
+longer than a DS length can say, is read as its decimal text.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import pytest
 from pydicom.dataset import Dataset, FileMetaDataset
 from pydicom.uid import ExplicitVRLittleEndian, RTStructureSetStorage, generate_uid
 from scripts.dicom import RTSTRUCT_STORAGE, DicomCaseError, is_rtstruct, read_ct_series, read_rtstruct_labels
+from scripts.dicom.rtstruct import _contour_data
 from scripts.synthetic import write_case
 
 PIXEL_MM, SLICE_MM = 0.7, 3.0
@@ -270,6 +272,45 @@ def test_another_series_is_refused(case, tmp_path):
 
     with pytest.raises(DicomCaseError, match="references series"):
         read_rtstruct_labels(rewrite(case, tmp_path, other_series), case["ct"], ["GTV-1"])
+
+
+def store_as_un(contour: Dataset, value: bytes) -> None:
+    """Contour Data replaced by ``value`` with VR UN, as an Explicit VR writer stores a value longer than 65,534 bytes
+    (PS3.5 6.2.2; pydicom keeps a known tag's UN value of that length as bytes when it reads it)."""
+    assert len(value) > 0xFFFF
+    del contour.ContourData
+    contour.add_new(0x30060050, "UN", value + b" " * (len(value) % 2))
+
+
+def test_contour_data_stored_as_un_is_read_as_its_decimal_text(case, tmp_path):
+    """The first GTV contour's polygon with 11 points inserted along each edge (~4,000 points, > 64 KB of text) as UN:
+    its numbers are the text's, and the mask is the original's."""
+    text = []
+
+    def densify(ds):
+        contour = ds.ROIContourSequence[0].ContourSequence[0]
+        corners = np.asarray(contour.ContourData, float).reshape(-1, 3)
+        steps = np.arange(12)[None, :, None] / 12
+        points = (corners[:, None] + steps * (np.roll(corners, -1, axis=0) - corners)[:, None]).reshape(-1, 3)
+        text.append("\\".join(f"{v:.4f}" for v in points.ravel()))
+        contour.NumberOfContourPoints = len(points)
+        store_as_un(contour, text[0].encode())
+
+    path = rewrite(case, tmp_path, densify)
+    stored = pydicom.dcmread(path).ROIContourSequence[0].ContourSequence[0]
+    assert stored["ContourData"].VR == "UN" and isinstance(stored.ContourData, bytes)  # pydicom's defaults
+    numbers = _contour_data(stored, path, "GTV-1", 1)
+    np.testing.assert_array_equal(numbers, [float(v) for v in text[0].split("\\")])
+    label, _ = read_rtstruct_labels(path, case["ct"], ["GTV-1"])
+    original, _ = read_rtstruct_labels(case["path"], case["ct"], ["GTV-1"])
+    np.testing.assert_array_equal(label, original)
+
+
+def test_contour_data_stored_as_un_that_is_not_numbers_is_named(case, tmp_path):
+    path = rewrite(case, tmp_path, lambda ds: store_as_un(ds.ROIContourSequence[0].ContourSequence[1], b"\xff" * 70000))
+    with pytest.raises(DicomCaseError, match=r"ROI 'GTV-1' contour 2: its Contour Data, stored as UN .*Export") as err:
+        read_rtstruct_labels(path, case["ct"], ["GTV-1"])
+    assert str(path) in str(err.value)
 
 
 def test_missing_roi_names_the_file_and_the_rois(case):

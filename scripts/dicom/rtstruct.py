@@ -137,7 +137,7 @@ def _roi_slices(contours: Sequence[pydicom.Dataset], ct: CtSeries, path: Path, r
         if kind not in CLOSED_TYPES:
             skipped.add(kind)
             continue
-        data = np.asarray(contour.get("ContourData", []), dtype=float)
+        data = _contour_data(contour, path, roi, n)
         if data.size == 0 or data.size % 3:
             raise DicomCaseError(
                 f"{path}: ROI {roi!r} contour {n} has {data.size} coordinates, not (x, y, z) triplets; the RTSTRUCT "
@@ -157,6 +157,23 @@ def _roi_slices(contours: Sequence[pydicom.Dataset], ct: CtSeries, path: Path, r
     if skipped:
         logger.warning("%s: ROI %r: %s contours carry no area and are ignored.", path, roi, sorted(skipped))
     return {k: _fill_slice(polygons, ct.hu.shape[:2]) for k, polygons in by_slice.items()}
+
+
+def _contour_data(contour: pydicom.Dataset, path: Path, roi: str, n: int) -> np.ndarray:
+    """A contour's Contour Data as numbers. Stored as UN (an Explicit VR file whose value outgrew the 65,534 bytes of a
+    DS length, PS3.5 6.2.2), pydicom hands it over as bytes: they are the DS text, decoded here; anything else raises
+    :class:`DicomCaseError` naming the file."""
+    value = contour.get("ContourData", [])
+    if not isinstance(value, bytes):
+        return np.asarray(value, dtype=float)
+    text = value.strip(b" \0")
+    try:
+        return np.array(text.decode("ascii").split("\\"), dtype=float) if text else np.zeros(0)
+    except ValueError as err:  # UnicodeDecodeError is one
+        raise DicomCaseError(
+            f"{path}: ROI {roi!r} contour {n}: its Contour Data, stored as UN ({len(value)} bytes), is not decimal "
+            f"numbers separated by backslashes ({str(err)[:80]}); the RTSTRUCT is malformed. Export it again."
+        ) from err
 
 
 def _contour_slice(k: np.ndarray, ct: CtSeries, path: Path, roi: str, n: int) -> int:
