@@ -2,10 +2,13 @@
 contours' own geometry in world mm against the synthetic case's analytic truth, highdicom for our SEG of the same
 labels, and dciodvfy for the standard. A thorax with holes -- thousands of contours, as wrong weights give -- is
 written without a pydicom dataset per contour (counted) and read back exactly; its contour text is checked digit by
-digit against the rounded coordinates."""
+digit against the rounded coordinates. A contour whose text outgrows a 16-bit length is read as numbers by every
+reader (the file is Implicit VR: Explicit VR would have to call it UN, which pydicom, DCMTK and rt-utils give back as
+bytes)."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 
@@ -15,6 +18,7 @@ import pydicom
 import pytest
 from scipy import ndimage
 from scripts.dicom import read_ct_series, read_rtstruct_labels, read_seg_labels
+from scripts.report import outlines
 from scripts.synthetic import write_case
 from scripts.writers import rtstruct as writer
 from scripts.writers.rtstruct import write_rtstruct
@@ -229,3 +233,47 @@ def test_contour_data_are_the_coordinates_to_a_tenth_of_a_micrometre():
     np.testing.assert_allclose(parsed, np.round(values, 4), rtol=0, atol=1e-9)
     words = [v for run in runs for v in run.decode().strip().split("\\")]
     assert words[-7:] == ["0", "0", "0.0001", "10000", "-12.5", "100", "3"] and all(len(w) <= 16 for w in words)
+
+
+def comb(shape: tuple[int, int]) -> np.ndarray:
+    """A slice's mask with one outline of ~3,800 corners: a spine with teeth 2 voxels wide, each with a bump every other
+    row (~81 KB of Contour Data text for 0.7 mm voxels)."""
+    mask = np.zeros(shape, bool)
+    mask[2:-2, 2:5] = True
+    for tooth in range(2, shape[0] - 4, 4):
+        mask[tooth : tooth + 2, 5:-3] = True
+        mask[tooth + 2, 5:-3:2] = True
+    return mask
+
+
+def test_a_contour_longer_than_a_16_bit_length_is_read_as_its_numbers_by_every_reader(case, tmp_path):
+    """Contour Data beyond 65,534 bytes of text, which an Explicit VR DS length cannot say: pydicom (default settings)
+    reads it as DS numbers, exactly the rounded world coordinates of the outline's corners; our reader gives the mask
+    back, rt-utils within its ring; DCMTK's dcmdump (where installed) reads DS of that length and multiplicity;
+    dciodvfy finds no error."""
+    labels = np.zeros_like(case["labels"])
+    labels[:, :, 7] = comb(labels.shape[:2])
+    path = tmp_path / "comb.dcm"
+    image_dir = case["truth"]["image_dir"]
+    write_rtstruct(labels, image_dir, ["GTV-1"], path, VERSION)
+    ds = pydicom.dcmread(path)
+    assert ds.file_meta.TransferSyntaxUID == pydicom.uid.ImplicitVRLittleEndian
+    (contour,) = ds.ROIContourSequence[0].ContourSequence
+    length = contour.get_item(0x30060050).length  # the stored value's bytes, before pydicom converts it
+    points, planes, starts = writer._corners(*outlines(labels == 1, axis=2))
+    affine = case["ct"].affine_lps
+    expected = np.round(np.column_stack([points, planes]) @ affine[:3, :3].T + affine[:3, 3], 4)
+    assert length > 0xFFFF and len(starts) == 2 and contour["ContourData"].VR == "DS", (length, len(starts))
+    assert int(contour.NumberOfContourPoints) == len(expected)
+    np.testing.assert_allclose(np.asarray(contour.ContourData, float).reshape(-1, 3), expected, rtol=0, atol=1e-9)
+
+    back, _ = read_rtstruct_labels(path, case["ct"], ["GTV-1"])
+    np.testing.assert_array_equal(back, labels)
+    rtstruct = rt_utils.RTStructBuilder.create_from(dicom_series_path=image_dir, rt_struct_path=str(path))
+    from_rt_utils, truth = rtstruct.get_roi_mask_by_name("GTV-1").transpose(1, 0, 2), labels == 1
+    assert not (truth & ~from_rt_utils).any() and not (from_rt_utils & ~ring(truth)).any()
+    dcmdump = shutil.which("dcmdump")
+    if dcmdump is not None:  # DCMTK is optional; dciodvfy below skips the test where it is missing
+        dump = subprocess.run([dcmdump, str(path)], capture_output=True, text=True, timeout=60, check=True).stdout
+        assert re.search(rf"\(3006,0050\) DS \[.*# *{length}, *{3 * len(expected)} ContourData", dump), dump[-2000:]
+    assert not run_dciodvfy(path)

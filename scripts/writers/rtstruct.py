@@ -17,10 +17,16 @@ Output: one RTSTRUCT file with
 
 The work is linear in the voxels and the contours' length, whatever the label map (a wrong prediction's whole thorax
 with holes has hundreds of thousands of contours): the contours are traced, placed and written as text for all
-slices at once, and the ROI Contour Sequence is encoded directly (Explicit VR Little Endian, as the file is written)
-rather than as a pydicom dataset per contour, which cost ~0.3 ms each. The file is written atomically
-(:func:`scripts.files.replace_atomically`) and approved as nothing: ApprovalStatus UNAPPROVED, a model's proposal for
-a person to review.
+slices at once, and the ROI Contour Sequence is encoded directly rather than as a pydicom dataset per contour, which
+cost ~0.3 ms each. The file is written atomically (:func:`scripts.files.replace_atomically`) and approved as nothing:
+ApprovalStatus UNAPPROVED, a model's proposal for a person to review.
+
+The file is in Implicit VR Little Endian (1.2.840.10008.1.2), the transfer syntax every DICOM implementation shall
+support (PS3.5 10.1), whose value lengths are 32-bit: a contour's Contour Data (DS) of a few thousand points (a large
+tumour; a wrong prediction's thorax) outgrows the 65,534 bytes an Explicit VR DS length can say, and Explicit VR could
+then only call it UN (PS3.5 6.2.2), which pydicom (``replace_un_with_known_vr`` stops at 0xFFFF bytes), DCMTK
+(``--retain-un`` by default) and rt-utils hand back as bytes, not numbers. One encoding for every file: what a
+planning system is tested with is what a flagged prediction brings it.
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ from pydicom.charset import convert_encodings
 from pydicom.dataelem import RawDataElement
 from pydicom.dataset import Dataset, FileMetaDataset
 from pydicom.sr.codedict import codes
-from pydicom.uid import ExplicitVRLittleEndian
+from pydicom.uid import ImplicitVRLittleEndian
 from scripts.dicom import RTSTRUCT_STORAGE, ScannedSeries, SeriesSource, scan_ct_series, segment_description
 from scripts.files import replace_atomically
 from scripts.labels import normalize_name
@@ -56,8 +62,6 @@ FALLBACK_COLOURS = ((0, 255, 0), (0, 255, 255), (255, 128, 128), (160, 80, 255),
 STUDY_REFERENCE_CLASS = "1.2.840.10008.3.1.2.3.1"
 SERIES_NUMBER_OFFSET = 9100  # the SEG takes the CT's series number + 9000
 ROI_CONTOUR_SEQUENCE = 0x30060039
-#: value representations whose length field is 4 bytes in Explicit VR (PS3.5 7.1.2)
-LONG_VRS = {"OB", "OD", "OF", "OL", "OV", "OW", "SQ", "SV", "UC", "UN", "UR", "UT", "UV"}
 
 
 def write_rtstruct(
@@ -88,10 +92,10 @@ def write_rtstruct(
         _add_roi(ds, number, name, slices[0].FrameOfReferenceUID, algorithm_version)
         roi_contours.append(_roi_contour(number, name, *_corners(points, planes, starts), places, references))
     value = b"".join(roi_contours)
-    ds[ROI_CONTOUR_SEQUENCE] = RawDataElement(ROI_CONTOUR_SEQUENCE, "SQ", len(value), value, 0, False, True, True,
+    ds[ROI_CONTOUR_SEQUENCE] = RawDataElement(ROI_CONTOUR_SEQUENCE, "SQ", len(value), value, 0, True, True, True,
                                               False)  # fmt: skip
     # the encoding the file is written in: pydicom writes the raw sequence as it is instead of parsing it to check
-    ds.set_original_encoding(False, True, convert_encodings(ds.SpecificCharacterSet))
+    ds.set_original_encoding(True, True, convert_encodings(ds.SpecificCharacterSet))
     replace_atomically(path, lambda tmp: ds.save_as(tmp, enforce_file_format=True))
     return ds
 
@@ -147,10 +151,8 @@ def _contour_items(points, planes, starts, places, references: list[bytes]) -> b
               _constant(_element(0x30060042, "CS", b"CLOSED_PLANAR"), count)]  # fmt: skip
     for tag, value in ((0x30060046, np.diff(starts)), (0x30060048, np.arange(1, count + 1))):
         text = _even(*_decimal_text(value, 0))
-        blocks += [_header(tag, "IS", text[2]), text]
-    long = data_length > 0xFFFF  # as pydicom writes it: UN with a 4-byte length (PS3.5 6.2.2)
-    short, unknown = (_header(0x30060050, vr, data_length) for vr in ("DS", "UN"))
-    blocks.append(tuple(np.where(long[:, None] if a.ndim == 2 else long, b, a) for a, b in zip(short, unknown)))
+        blocks += [_header(tag, text[2]), text]
+    blocks.append(_header(0x30060050, data_length))  # DS of any length: Implicit VR's lengths are 32-bit
     item_length = sum(block[2] for block in blocks) + data_length
     start = np.hstack([_constant(struct.pack("<HH", 0xFFFE, 0xE000), count)[0], _little(item_length, 4)])
     blocks.insert(0, (start, np.ones((count, 8), bool), np.full(count, 8)))
@@ -209,16 +211,11 @@ def _even(chars: np.ndarray, keep: np.ndarray, length: np.ndarray) -> tuple[np.n
     return np.hstack([chars, pad]), np.hstack([keep, (length % 2 == 1)[:, None]]), length + length % 2
 
 
-def _header(tag: int, vr: str, length: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Explicit VR element headers for values of ``length`` bytes, one row each: 12 columns, of which the first 8
-    count for a VR with a 2-byte length."""
+def _header(tag: int, length: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Implicit VR element headers (tag, 4-byte length) for values of ``length`` bytes, one row each."""
     rows = len(length)
-    fixed = _constant(struct.pack("<HH2s", tag >> 16, tag & 0xFFFF, vr.encode()), rows)[0]
-    if vr in LONG_VRS:
-        chars = np.hstack([fixed, np.zeros((rows, 2), np.uint8), _little(length, 4)])
-        return chars, np.ones((rows, 12), bool), np.full(rows, 12)
-    chars = np.hstack([fixed, _little(length, 2), np.zeros((rows, 4), np.uint8)])
-    return chars, np.broadcast_to(np.arange(12) < 8, (rows, 12)), np.full(rows, 8)
+    chars = np.hstack([_constant(struct.pack("<HH", tag >> 16, tag & 0xFFFF), rows)[0], _little(length, 4)])
+    return chars, np.ones((rows, 8), bool), np.full(rows, 8)
 
 
 def _constant(value: bytes, rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -246,16 +243,11 @@ def _interleave(heads: bytes, head_ends: np.ndarray, tails: bytes, tail_ends: np
 
 
 def _element(tag: int, vr: str, value: bytes) -> bytes:
-    """A data element in Explicit VR Little Endian, its value padded to an even length (UIDs with NUL, text with a
-    space); text longer than a 2-byte length allows becomes UN, as pydicom writes it (PS3.5 6.2.2)."""
+    """A data element in Implicit VR Little Endian (the VR is not written; it says how the value is padded to an
+    even length: UIDs with NUL, text with a space)."""
     if len(value) % 2:
         value += b"\0" if vr == "UI" else b" "
-    group, element = tag >> 16, tag & 0xFFFF
-    if vr not in LONG_VRS and len(value) > 0xFFFF:
-        vr = "UN"
-    if vr in LONG_VRS:
-        return struct.pack("<HH2sHI", group, element, vr.encode(), 0, len(value)) + value
-    return struct.pack("<HH2sH", group, element, vr.encode(), len(value)) + value
+    return struct.pack("<HHI", tag >> 16, tag & 0xFFFF, len(value)) + value
 
 
 def _item(content: bytes) -> bytes:
@@ -278,7 +270,7 @@ def _structure_set(slices: list[Dataset], algorithm_version: str) -> Dataset:
     ds.file_meta = FileMetaDataset()
     ds.file_meta.MediaStorageSOPClassUID = ds.SOPClassUID = RTSTRUCT_STORAGE
     ds.file_meta.MediaStorageSOPInstanceUID = ds.SOPInstanceUID = hd.UID()
-    ds.file_meta.TransferSyntaxUID = ExplicitVRLittleEndian
+    ds.file_meta.TransferSyntaxUID = ImplicitVRLittleEndian
     ds.SpecificCharacterSet = ct.get("SpecificCharacterSet", "ISO_IR 100")
     ds.InstanceCreationDate, ds.InstanceCreationTime = now.strftime("%Y%m%d"), now.strftime("%H%M%S")
     for key in ("StudyInstanceUID", *PATIENT_STUDY_TYPE_2):
