@@ -12,7 +12,12 @@ there; ``warmup_s``: all of them), so a compiled run shows both its compile time
 ``busy_steps`` more steps run under ``torch.profiler`` (device activity only) after the timed ones:
 ``gpu_busy_fraction`` is the time during which at least one kernel or copy ran on the device over those steps' wall
 time -- what is left is the device waiting for the host (data, Python, kernel launches). The profiled steps are not
-among the timed ones.
+among the timed ones; with ``trace`` their chrome trace is written there too (``python -m scripts.summarize_trace``
+reads it: device time per kernel class).
+
+The report also says what the run compiled from the compile cache (``compile_cache``: torch's hit and miss counters
+over this run, :func:`scripts.compilation.cache_counters`) and, with ``iteration`` (a
+:class:`scripts.graphs.GraphedIteration`), which steps a CUDA graph replayed (``cuda_graphs``).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 from ignite.engine import Engine, Events
+from scripts.compilation import cache_counters
 from scripts.distributed import is_rank0, world_size
 from scripts.files import write_json
 
@@ -51,6 +57,8 @@ class StepTimer:
         tflop_per_patch: float | None = None,
         enabled: bool | None = None,
         busy_steps: int = 5,
+        trace: str | Path | None = None,
+        iteration: Any = None,
     ) -> None:
         self.path = Path(path)
         self.device = torch.device(device)
@@ -61,6 +69,10 @@ class StepTimer:
         self.tflop_per_patch = tflop_per_patch
         self.enabled = is_rank0() if enabled is None else enabled  # None: rank 0 of a DDP run writes the report
         self.busy_steps = int(busy_steps) if self.device.type == "cuda" else 0  # kernel times need a GPU
+        self.trace = Path(trace) if trace else None  # where the busy steps' chrome trace goes (None: not kept)
+        self.trace_written: str | None = None
+        self.iteration = iteration  # the trainer's iteration_update, when it reports what it did (summary())
+        self.compile_counters = cache_counters()  # this process's counts before the run: the report gives the run's
         self.wait: list[float] = []
         self.total: list[float] = []
         self.warmup_times: list[float] = []
@@ -101,6 +113,10 @@ class StepTimer:
                     (e.start_ns(), e.start_ns() + e.duration_ns()) for e in events if e.device_type().name != "CPU"
                 ]  # kernels, copies and sets on the device's timeline
                 self.busy = busy_fraction(device, int(1e9 * (end - self._profile_start)))
+                if self.trace is not None and self.enabled:
+                    self.trace.parent.mkdir(parents=True, exist_ok=True)
+                    self._profiler.export_chrome_trace(str(self.trace))
+                    self.trace_written = str(self.trace)
                 engine.terminate()
             return
         if self._count <= self.warmup:
@@ -161,6 +177,11 @@ class StepTimer:
         result["global_patches_per_s"] = result["patches_per_s"] * result["ranks"]
         if self.tflop_per_patch:
             result["model_tflop_per_s"] = result["patches_per_s"] * self.tflop_per_patch
+        result["busy_trace"] = self.trace_written
+        now = cache_counters()
+        result["compile_cache"] = {key: now[key] - self.compile_counters.get(key, 0) for key in now}
+        summary = getattr(self.iteration, "summary", None)
+        result["cuda_graphs"] = summary() if callable(summary) else None
         return {"result": result, "switches": self.switches, "device": self.device_report}
 
 

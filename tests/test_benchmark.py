@@ -1,7 +1,8 @@
 """Training throughput as the benchmark reports it: on a real ignite Engine whose data and steps take known times,
 the warm-up steps are left out, the run stops after ``steps`` timed steps, ms/step and the data-wait fraction match the
 injected times, and the JSON report carries the switches and the device report. The model-FLOP figure is given only
-where the count is known (SwinUNETR feature_size 48)."""
+where the count is known (SwinUNETR feature_size 48). On a GPU the profiled busy steps give the busy share and, when
+asked, their chrome trace; the report counts this run's compile-cache hits and what a CUDA graph replayed."""
 
 from __future__ import annotations
 
@@ -133,6 +134,9 @@ class _FakeKineto:
                   for t in range(self.t0, self.t0 + wall - 2_000_000, 10_000_000)]  # fmt: skip
         self.profiler = SimpleNamespace(kineto_results=SimpleNamespace(events=lambda: events))
 
+    def export_chrome_trace(self, path: str) -> None:
+        Path(path).write_text(json.dumps({"traceEvents": [{"name": "kernel", "ph": "X"}]}))
+
 
 def test_on_a_gpu_extra_profiled_steps_give_the_busy_share(tmp_path, monkeypatch):
     """The control flow a GPU takes, with CUDA's calls and the profiler stood in for: the busy steps run after the
@@ -144,7 +148,10 @@ def test_on_a_gpu_extra_profiled_steps_give_the_busy_share(tmp_path, monkeypatch
     monkeypatch.setattr(benchmark.torch.profiler, "profile", lambda activities: made.append(_FakeKineto(activities))
                         or made[-1])  # fmt: skip
     engine = trainer()
-    timer = StepTimer(tmp_path / "gpu.json", "cuda", warmup=WARMUP, steps=STEPS, busy_steps=3)
+    trace = tmp_path / "traces" / "busy_trace.json"
+    graphs = {"captured_at_iteration": 4, "replayed": 4, "eager": 0}
+    timer = StepTimer(tmp_path / "gpu.json", "cuda", warmup=WARMUP, steps=STEPS, busy_steps=3, trace=trace,
+                      iteration=SimpleNamespace(summary=lambda: graphs))  # fmt: skip
     timer.attach(engine)
     engine.run(slow_batches(), max_epochs=1, epoch_length=1000)
     result = json.loads((tmp_path / "gpu.json").read_text())["result"]
@@ -152,3 +159,16 @@ def test_on_a_gpu_extra_profiled_steps_give_the_busy_share(tmp_path, monkeypatch
     assert len(made) == 1 and made[0].started == made[0].stopped == 1
     assert result["busy_steps"] == 3 and result["gpu_busy_fraction"] == pytest.approx(0.2, abs=0.05)
     assert result["peak_memory_kind"] == "device, torch allocator" and result["peak_memory_gib"] == 1.0
+    assert result["busy_trace"] == str(trace) and json.loads(trace.read_text())["traceEvents"][0]["name"] == "kernel"
+    assert result["cuda_graphs"] == graphs, "what the iteration reports of its CUDA graph"
+
+
+def test_the_report_counts_this_runs_compile_cache_hits_only(tmp_path, monkeypatch):
+    """torch's counters count for the whole process (a bench runs many rows in one): the report gives the difference
+    over this run; without a trace file or an iteration that reports, those say None."""
+    counts = iter([{"fx_graph_hits": 5, "fx_graph_misses": 2}, {"fx_graph_hits": 9, "fx_graph_misses": 2}])
+    monkeypatch.setattr(benchmark, "cache_counters", lambda: next(counts))
+    timed_run(tmp_path / "b.json")
+    result = json.loads((tmp_path / "b.json").read_text())["result"]
+    assert result["compile_cache"] == {"fx_graph_hits": 4, "fx_graph_misses": 0}
+    assert result["busy_trace"] is None and result["cuda_graphs"] is None
