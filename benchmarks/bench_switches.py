@@ -11,9 +11,14 @@ differ). Nothing else carries over: every row builds its own network, optimiser 
 dropped between rows. The first row is the loop of the original research-contributions / AMD scripts (no cache,
 DataLoader workers, fp16 with GradScaler, no compile); GPU-only rows are skipped on a CPU; a row that fails (out of
 memory with 16 patches on a smaller card) is recorded and the next one runs. Each row's ``benchmark.json`` goes to
-``<output_dir>/<set>/`` and the table to ``<output_dir>/performance_table.md``. With ``keep_trace`` a row faster than
-every row before it also keeps the chrome trace of its busy steps (:data:`BUSY_TRACE`, the device activity that
-StepTimer profiled on a GPU for its busy share), so the fastest row has one for ``python -m scripts.summarize_trace``.
+``<output_dir>/<set>/`` and the table to ``<output_dir>/performance_table.md``. With ``keep_trace`` every row asks
+its StepTimer for the chrome trace of its busy steps (``benchmark_trace``: :data:`BUSY_TRACE`, the device activity it
+profiled on a GPU for its busy share), and a row keeps it when it is faster than every row before it, so the fastest
+row has one for ``python -m scripts.summarize_trace``.
+
+A compiled row keeps its compiled code in ``compile_cache_dir`` (train.yaml's, or the one ``settings`` give), so a
+compiled row after it with the same network, shapes and precision compiles from the cache; benchmark.json says how
+many graphs came from it (``compile_cache``), and for ``cuda_graphs`` which steps a CUDA graph replayed.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import ast
 import gc
 import json
 import logging
+import math
 import multiprocessing
 import sys
 import time
@@ -33,8 +39,18 @@ from typing import Any
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-#: name -> (command-line overrides, needs a GPU). bf16 is the base of the last rows: each changes one thing against
-#: "amp bfloat16". Patches per step: the learning rate for N patches is learning_rate * sqrt(N / 4) (performance.md)
+
+
+def learning_rate_for(patches: int, base: float = 1.0e-4, base_patches: int = 4) -> str:
+    """train.yaml's learning rate scaled for ``patches`` a step by the square-root rule (docs/training.md):
+    ``base * sqrt(patches / base_patches)``, as the command line would give it."""
+    return f"{base * math.sqrt(patches / base_patches):.4g}"
+
+
+#: name -> (command-line overrides, needs a GPU). bf16 is the base of the rows after "amp bfloat16": each changes one
+#: thing against it. The defaults (fp16, compile auto: off in a benchmark) are the base of the rows before it: CUDA
+#: graphs; more patches a step, with the learning rate scaled by the square-root rule; the full training's defaults
+#: (compile auto on: regional, fp16), then the same with CUDA graphs (which compiles from the first's cache)
 SWITCH_SETS: dict[str, tuple[dict[str, str], bool]] = {
     "original-style loop (no cache, DataLoader, fp16)": (
         {"cache": "none", "num_workers": "4", "amp": "true", "amp_dtype": "float16", "fused_optimizer": "false"},
@@ -42,6 +58,11 @@ SWITCH_SETS: dict[str, tuple[dict[str, str], bool]] = {
     ),
     "0.7 defaults (cache memory, 4 workers)": ({"cache": "memory", "num_workers": "4"}, False),
     "bundle defaults (cache auto)": ({}, False),
+    "CUDA graphs (fp16)": ({"cuda_graphs": "true"}, True),
+    "8 patches a step (fp16, lr x1.41)": ({"num_samples": "8", "learning_rate": learning_rate_for(8)}, True),
+    "16 patches a step (fp16, lr x2)": ({"num_samples": "16", "learning_rate": learning_rate_for(16)}, True),
+    "compile regional (fp16)": ({"compile": "true"}, True),
+    "compile regional (fp16) + CUDA graphs": ({"compile": "true", "cuda_graphs": "true"}, True),
     "cache none": ({"cache": "none"}, False),
     "cache disk": ({"cache": "disk"}, False),
     "cache gpu + ThreadDataLoader": ({"cache": "gpu"}, True),
@@ -55,11 +76,13 @@ SWITCH_SETS: dict[str, tuple[dict[str, str], bool]] = {
     "amp bfloat16": ({"amp_dtype": "bfloat16"}, True),
     "fused window attention (bf16)": ({"amp_dtype": "bfloat16", "fused_attention": "true"}, True),
     "channels_last (bf16)": ({"amp_dtype": "bfloat16", "channels_last": "true"}, True),
-    "8 patches a step (bf16)": ({"amp_dtype": "bfloat16", "num_samples": "8"}, True),
-    "16 patches a step (bf16)": ({"amp_dtype": "bfloat16", "num_samples": "16"}, True),
     "compile regional (bf16)": ({"amp_dtype": "bfloat16", "compile": "true"}, True),
+    "compile regional, reduce-overhead (bf16)": (
+        {"amp_dtype": "bfloat16", "compile": "true", "compile_mode": "reduce-overhead"},
+        True,
+    ),
 }
-#: the chrome trace of a row's busy steps, beside its benchmark.json (kept for the fastest row so far: a few MB each)
+#: the chrome trace of a row's busy steps, beside its benchmark.json (kept by a row faster than the rows before it)
 BUSY_TRACE = "busy_trace.json.gz"
 #: the ids whose values decide what the training cache holds: rows agreeing on them (and on the cache's place) share it
 CACHE_IDS = ("dataset_dir", "prepared_dir", "spacing", "hu_window", "body_hu", "roi_size", "cache_rate", "labels")
@@ -79,7 +102,7 @@ def run_rows(
     process (see the module docstring); one record per set: ``ok`` with benchmark.json's report, ``failed`` with the
     error, or ``skipped`` (no GPU; or ``deadline``, a ``time.monotonic()`` value, would pass before its estimate).
     ``progress`` is given the records so far after each set. ``keep_trace``: a row faster than every earlier row
-    writes its busy steps' trace and its record names it (``trace``; None where none was profiled: a CPU)."""
+    keeps its busy steps' trace and its record names it (``trace``; None where none was profiled: a CPU)."""
     from monai.bundle import ConfigParser
 
     if not logging.getLogger().handlers:  # the bundle's log lines (the cache's place, the trainer) in this output
@@ -106,6 +129,8 @@ def run_rows(
         parser = ConfigParser()
         parser.read_config([str(c) for c in configs])
         parser.update({**settings, "output_dir": str(folder), **overrides(name)})
+        if keep_trace:
+            parser["benchmark_trace"] = str(folder / BUSY_TRACE)
         try:
             parser.get_parsed_content("initialize")
             parser.get_parsed_content("scripts")
@@ -120,8 +145,7 @@ def run_rows(
             if not (folder / "benchmark.json").is_file():  # the engine caught an error (a transform's) and ended
                 raise RuntimeError(f"the run ended without {folder / 'benchmark.json'}: the log above says why")
             record["report"] = json.loads((folder / "benchmark.json").read_text())
-            if keep_trace and _fastest_so_far(records, record):
-                record["trace"] = _save_busy_trace(parser, folder / BUSY_TRACE)
+            _keep_trace(records, record)
         except Exception as error:  # one row's failure (out of memory, a compiler error) must not end the others
             record.update(status="failed", error=f"{type(error).__name__}: {error}",
                           traceback=traceback.format_exc(limit=6))  # fmt: skip
@@ -136,25 +160,24 @@ def run_rows(
     return records
 
 
+def _keep_trace(records: list[dict[str, Any]], record: dict[str, Any]) -> None:
+    """A row faster than every earlier row keeps the busy-steps trace its StepTimer wrote (``trace``); another row's
+    is deleted (a few MB that no table reads)."""
+    trace = record["report"]["result"].get("busy_trace")
+    if not trace:
+        return
+    if _fastest_so_far(records, record):
+        record["trace"] = trace
+    else:
+        Path(trace).unlink(missing_ok=True)
+        record["report"]["result"]["busy_trace"] = None
+
+
 def _fastest_so_far(records: list[dict[str, Any]], record: dict[str, Any]) -> bool:
     """Whether ``record``'s row made more patches a second than every earlier row that ran."""
     speed = record["report"]["result"]["patches_per_s"]
     earlier = [r["report"]["result"]["patches_per_s"] for r in records if r is not record and "report" in r]
     return all(speed > other for other in earlier)
-
-
-def _save_busy_trace(parser: Any, path: Path) -> str | None:
-    """Write the chrome trace of the row's busy steps, which its StepTimer profiled (device activity only, on a GPU),
-    to ``path``; None where it profiled none. StepTimer offers no public handle on that profile, so the bench that
-    ran it reads its one attribute here (the profile is otherwise dropped with the row)."""
-    from scripts.benchmark import StepTimer
-
-    timer = next((h for h in parser.get_parsed_content("train#handlers") if isinstance(h, StepTimer)), None)
-    profiler = getattr(timer, "_profiler", None)
-    if timer is None or timer.busy is None or profiler is None:
-        return None
-    profiler.export_chrome_trace(str(path))
-    return str(path)
 
 
 def overrides(name: str) -> dict[str, Any]:

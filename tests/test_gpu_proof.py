@@ -4,7 +4,6 @@ GPU is, the CUDA paths with the dry run's tiny network (marked gpu)."""
 
 from __future__ import annotations
 
-import gzip
 import json
 import subprocess
 import sys
@@ -13,19 +12,30 @@ from types import SimpleNamespace
 
 import pytest
 from benchmarks.gpu_proof import (
+    COMPILE_GRAPHS_SET,
     COMPILE_SET,
+    COMPILE_SETS,
     DEFAULTS_SET,
     DRY,
+    EARLIER_SETS,
+    GPU,
+    GRAPHS_SET,
     HOST_CACHE_SET,
     SEED_SET,
     STEPS,
     THROUGHPUT_SETS,
+    StepFailed,
+    _later_s,
     compare_with_key_averages,
     fastest_row_classes,
     format_markdown,
+    helper_cuda_graphs,
     helper_network,
+    kernel_classes,
     peak_bf16_tflops,
+    row_classes,
     select,
+    step_cuda_graphs,
     targets,
 )
 from conftest import ROOT
@@ -34,7 +44,7 @@ KIT = [sys.executable, "-m", "benchmarks.gpu_proof"]
 CUDA_ONLY = {s.name for s in STEPS if s.gpu_only}
 #: the CUDA paths the gpu tests run with the tiny network (the compiling ones take minutes: the kit itself runs them)
 GPU_PATHS = ("grad_scaler", "fused_adamw", "gpu_monitor", "resume", "summariser", "evaluate_oom", "inference_oom",
-             "torchrun", "throughput")  # fmt: skip
+             "torchrun", "throughput", "cuda_graphs")  # fmt: skip
 
 
 def run_kit(out: Path, *options: str) -> tuple[dict, str]:
@@ -72,7 +82,7 @@ def test_dry_run_reports_every_step_and_none_fails(dry_run):
 
 def test_cuda_only_steps_say_no_gpu_and_the_others_ran(dry_run):
     steps = by_name(dry_run[0])
-    assert {"grad_scaler", "fused_adamw", "gpu_monitor"} == CUDA_ONLY
+    assert {"grad_scaler", "fused_adamw", "gpu_monitor", "cuda_graphs", "compile_cache"} == CUDA_ONLY
     for name, step in steps.items():
         expected = ("skipped", "no GPU") if name in CUDA_ONLY else ("ok", None)
         assert (step["status"], step.get("reason")) == expected, name
@@ -133,24 +143,25 @@ def test_the_kernel_class_tables_of_a_gpu_run_in_the_report(dry_run, tmp_path):
 
 
 def test_the_bench_keeps_the_busy_steps_trace_of_a_row_faster_than_the_rows_before(tmp_path):
-    """bench_switches writes the chrome trace of a row's profiled busy steps (StepTimer's profile, here a CPU one)
-    when the row is faster than every earlier row, and nothing where the timer profiled none."""
-    import torch
-    from benchmarks.bench_switches import BUSY_TRACE, _fastest_so_far, _save_busy_trace
-    from scripts.benchmark import StepTimer
+    """Every row's StepTimer writes the trace of its busy steps where benchmark.yaml's benchmark_trace says (a GPU
+    profiles them); bench_switches keeps it for a row faster than every earlier row and deletes the others'."""
+    from benchmarks.bench_switches import _fastest_so_far, _keep_trace
 
-    timer = StepTimer(tmp_path / "benchmark.json", "cpu")
-    parser = SimpleNamespace(get_parsed_content=lambda id: [object(), timer])
-    assert _save_busy_trace(parser, tmp_path / BUSY_TRACE) is None  # no busy steps were profiled
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
-        torch.ones(4).add_(1)
-    timer._profiler, timer.busy = profiler, 0.5
-    assert _save_busy_trace(parser, tmp_path / BUSY_TRACE) == str(tmp_path / BUSY_TRACE)
-    with gzip.open(tmp_path / BUSY_TRACE) as f:
-        assert any(e.get("name") == "aten::add_" for e in json.load(f)["traceEvents"])
-    report = {"result": {"patches_per_s": 2.0}}
-    records = [{"report": {"result": {"patches_per_s": 1.0}}}, {"status": "failed"}, {"report": report}]
-    assert _fastest_so_far(records, records[-1])
+    def row(speed: float, name: str) -> dict:
+        trace = tmp_path / name
+        trace.write_text("{}")
+        return {"report": {"result": {"patches_per_s": speed, "busy_trace": str(trace)}}}
+
+    records = [row(1.0, "a"), {"status": "failed"}, row(2.0, "b")]
+    for record in (records[0], records[2]):
+        _keep_trace(records[: records.index(record) + 1], record)
+    assert [r.get("trace") for r in records] == [str(tmp_path / "a"), None, str(tmp_path / "b")]
+    slower = row(1.5, "c")
+    _keep_trace([*records, slower], slower)
+    assert "trace" not in slower and not (tmp_path / "c").exists() and slower["report"]["result"]["busy_trace"] is None
+    no_trace = {"report": {"result": {"patches_per_s": 9.0, "busy_trace": None}}}
+    _keep_trace([no_trace], no_trace)
+    assert "trace" not in no_trace, "a CPU profiles no busy steps"
     assert not _fastest_so_far([{"report": {"result": {"patches_per_s": 3.0}}}, records[-1]], records[-1])
 
 
@@ -171,22 +182,34 @@ def test_evaluation_and_inference_fall_back_once_and_inference_writes_nifti_and_
     assert pydicom.dcmread(inference["seg"], stop_before_pixels=True).Modality == "SEG"
 
 
-def test_throughput_rows_run_in_one_child_and_claim_no_gpu_number(dry_run):
+def test_throughput_rows_run_in_their_steps_children_and_claim_no_gpu_number(dry_run):
+    """The baseline and the new rows first (one child), the compile rows (a GPU's: skipped), the earlier runs' rows
+    last (one child); on a CPU the rows a CPU can run ran, and the others say why not."""
     report, _, out = dry_run
-    rows = {r["loop"]: r for r in by_name(report)["throughput"]["numbers"]["rows"]}
+    steps = by_name(report)
+    rows = {r["loop"]: r for r in steps["throughput"]["numbers"]["rows"]}
     assert list(rows) == list(THROUGHPUT_SETS), "every row recorded, in order"
+    earlier = {r["loop"]: r for r in steps["throughput_earlier"]["numbers"]["rows"]}
+    assert list(earlier) == list(EARLIER_SETS)
+    assert steps["compile_cache"]["reason"] == "no GPU"
     ran = list(report["throughput"])
     assert [r["loop"] for r in ran] == [DEFAULTS_SET, HOST_CACHE_SET, SEED_SET], "the rows a CPU can run"
-    skipped = [rows[name] for name in THROUGHPUT_SETS if name not in (DEFAULTS_SET, HOST_CACHE_SET, SEED_SET)]
+    skipped = [row for name, row in {**rows, **earlier}.items() if name not in (DEFAULTS_SET, HOST_CACHE_SET, SEED_SET)]
     assert all(row["status"] == "skipped" and row["reason"] == "no GPU" for row in skipped)
     assert [r["cache"] for r in ran] == ["memory", "memory", "none"], "cache auto stays in host memory on a CPU"
     for row in ran:
         assert row["ms_per_step"] > 0 and row["timed_steps"] >= 1 and row["gpu_busy_percent"] is None
         assert row["mfu"] is None and "no GPU" in row["mfu_reason"]
-    assert ran[2]["vs_seed"] == 1.0
-    assert "- amp bfloat16: skipped: no GPU" in (out / "gpu_proof.md").read_text(), "the rows that did not run say so"
-    log = (out / "logs" / "throughput.log").read_text()
+    assert ran[2]["vs_seed"] == 1.0 and ran[0]["vs_defaults"] == 1.0
+    markdown = (out / "gpu_proof.md").read_text()
+    assert "- amp bfloat16: skipped: no GPU" in markdown and f"- {GRAPHS_SET}: skipped: no GPU" in markdown
+    assert (
+        ran[0]["compile_cache"]
+        == dict.fromkeys(["fx_graph_hits", "fx_graph_misses", "aot_autograd_hits", "aot_autograd_misses"], 0)
+        and ran[0]["cuda_graphs"] is None
+    )
     # each build starts one progress bar at 0 % (tqdm may print its end twice when a refresh meets the close)
+    log = (out / "logs" / "throughput_earlier.log").read_text()
     assert log.count("Loading dataset:   0%") == 1, "the host cache is built once and shared by the next row"
     cases = report["fullct_inference"]
     assert [c["warm"] for c in cases] == [False, True] and all(c["windows"] >= 1 and "predict" in c for c in cases)
@@ -204,22 +227,91 @@ def test_the_network_step_reads_train_yamls_own_patch_count(tmp_path):
 
 
 def test_targets_read_the_right_rows():
+    """The fastest row for speed, MFU and GPU busy; the full training's defaults (compile auto on: the fp16 compile
+    row) for the defaults' speed; the compile rows' first steps, the second only where it came from the cache; the
+    warm full CT, end to end and its network."""
     rows = [{"loop": SEED_SET, "status": "ok", "patches_per_s": 1.3, "mfu": 0.008, "gpu_busy_percent": 40.0,
              "data_wait_percent": 92.0, "first_step_s": 3.0},
             {"loop": DEFAULTS_SET, "status": "ok", "patches_per_s": 30.0, "mfu": 0.07, "gpu_busy_percent": 95.0,
-             "data_wait_percent": 2.0, "first_step_s": 9.0},
-            {"loop": COMPILE_SET, "status": "ok", "patches_per_s": 50.0, "mfu": 0.12, "gpu_busy_percent": 88.0,
-             "data_wait_percent": 3.0, "first_step_s": 140.0}]  # fmt: skip
-    cases = [{"predict": 0.4}, {"predict": 0.2, "warm": True}]
+             "data_wait_percent": 2.0, "first_step_s": 9.0}]  # fmt: skip
+    compiled = [{"loop": COMPILE_SET, "status": "ok", "patches_per_s": 36.0, "mfu": 0.09, "gpu_busy_percent": 85.0,
+                 "data_wait_percent": 3.0, "first_step_s": 140.0, "compile_cache": {"fx_graph_hits": 0}},
+                {"loop": COMPILE_GRAPHS_SET, "status": "ok", "patches_per_s": 50.0, "mfu": 0.12,
+                 "gpu_busy_percent": 96.0, "data_wait_percent": 3.0, "first_step_s": 19.5,
+                 "compile_cache": {"fx_graph_hits": 44}}]  # fmt: skip
+    cases = [{"predict": 0.4, "seconds": 4.0}, {"predict": 0.2, "seconds": 1.6, "warm": True}]
     records = {"throughput": {"status": "ok", "numbers": {"rows": rows}},
+               "compile_cache": {"status": "ok", "numbers": {"rows": compiled}},
                "fullct_inference": {"status": "ok", "numbers": {"cases": cases}}}  # fmt: skip
     verdict = targets(SimpleNamespace(mode="full", gpu=True, records=records))
-    assert verdict["patches_per_s"] == f"met: 50 ({COMPILE_SET}; target >= 45)"
-    assert verdict["mfu_percent"].startswith("met: 12 (") and verdict["gpu_busy_percent"].startswith("not met: 88 (")
+    assert verdict["patches_per_s"] == f"met: 50 ({COMPILE_GRAPHS_SET}; target >= 45)"
+    assert verdict["defaults_patches_per_s"] == f"met: 36 ({COMPILE_SET}; target >= 35)"
+    assert verdict["mfu_percent"].startswith("met: 12 (") and verdict["gpu_busy_percent"].startswith("met: 96 (")
     assert verdict["data_wait_percent"] == f"met: 2 ({DEFAULTS_SET}; target <= 5)", "the defaults' row"
     assert verdict["compile_s"] == f"not met: 140 ({COMPILE_SET}; target <= 90)"
+    assert verdict["compile_cached_s"] == f"met: 19.5 ({COMPILE_GRAPHS_SET}, from the cache; target <= 20)"
+    assert verdict["fullct_s"] == "not met: 1.6 (warm full-CT case, end to end; target <= 1.5)"
     assert verdict["network_s"] == "met: 0.2 (warm full-CT case; target <= 0.25)"
+    compiled[1]["compile_cache"] = {"fx_graph_hits": 0}  # the first compile failed: the second compiled cold
+    verdict = targets(SimpleNamespace(mode="full", gpu=True, records=records))
+    assert verdict["compile_cached_s"].startswith("unmeasured")
     assert targets(SimpleNamespace(mode="full", gpu=True, records={}))["compile_s"].startswith("unmeasured")
+
+
+def test_the_kernel_classes_read_the_defaults_row_and_the_fastest_row_of_every_step():
+    """Without the profile step the defaults' classes come from the defaults row's busy steps; the fastest row is the
+    fastest of every row step's (here the compile step's, from the H200's busy-steps trace)."""
+    trace = str(ROOT / "tests" / "data" / "h200" / "busy_steps_trace.json.gz")
+    defaults = {"loop": DEFAULTS_SET, "status": "ok", "patches_per_s": 23.6, "gpu_busy_percent": 83.0, "trace": trace}
+    fast = {**defaults, "loop": COMPILE_GRAPHS_SET, "patches_per_s": 50.0}
+    slow = {"rows": [defaults], "fastest": row_classes(defaults), "defaults": row_classes(defaults)}
+    quick = {"rows": [fast], "fastest": row_classes(fast)}
+    records = {"throughput": {"status": "ok", "numbers": slow}, "compile_cache": {"status": "ok", "numbers": quick}}
+    found = kernel_classes(records)
+    assert found["defaults"]["loop"] == DEFAULTS_SET and found["defaults"]["device"]["events"] == 2823
+    assert found["fastest"]["loop"] == COMPILE_GRAPHS_SET and "patches_per_s" not in found["fastest"]
+    assert kernel_classes({})["fastest"] == {"reason": "the throughput step did not run"}
+    assert kernel_classes({})["defaults"] == {"reason": "the summariser step did not run"}
+
+
+def test_a_short_budget_drops_the_earlier_rows_never_the_new_ones():
+    """The rows earlier runs measured run last, in a step that reserves nothing (the budget left is theirs), while the
+    new rows' steps reserve the time of the steps after them; in the GPU command's selection (the report's) the
+    estimates of the new steps fit its budget of 450 s, the throughput step's new rows before its deadline."""
+    assert STEPS[-1].name == "throughput_earlier" and set(EARLIER_SETS).isdisjoint({*THROUGHPUT_SETS, *COMPILE_SETS})
+    assert {HOST_CACHE_SET, SEED_SET, "amp bfloat16"} <= set(EARLIER_SETS)
+    steps = select(STEPS, "throughput,cuda_graphs,compile_cache,fullct_inference,throughput_earlier")
+    assert [s.name for s in steps] == ["environment", "data", "network", "cuda_graphs", "throughput", "compile_cache",
+                                       "fullct_inference", "throughput_earlier"]  # fmt: skip
+    kit = SimpleNamespace(steps=steps, sizes=GPU, gpu=True)
+    estimate = GPU.estimates_s
+    later = estimate["compile_cache"] + estimate["fullct_inference"]
+    assert _later_s(kit, "throughput") == later, "the earlier rows reserve nothing"
+    assert _later_s(kit, "compile_cache") == estimate["fullct_inference"] and _later_s(kit, "throughput_earlier") == 0
+    before = sum(estimate[name] for name in ("environment", "data", "network", "cuda_graphs"))
+    new_rows = sum(estimate[name] for name in THROUGHPUT_SETS)
+    assert new_rows <= 450 - later - before, "every new row starts before the throughput step's deadline"
+    assert sum(estimate[name] for name in COMPILE_SETS) <= estimate["compile_cache"]
+    assert before + new_rows + later <= 450 - 30, "with half a minute to spare for the earlier rows"
+
+
+def test_the_cuda_graph_check_trains_monais_way_and_the_graphed_way_and_fails_without_a_capture(tmp_path):
+    """The check's helper on a CPU (the dry run's network, 3 steps): MONAI's own iteration and scripts.graphs' train
+    the same weights, bitwise (on a CPU every step is eager); the step, given those numbers, fails because nothing
+    was captured, and passes a graphed run that captured and replayed with the losses and weights alike."""
+    out = tmp_path / "cuda_graphs.json"
+    helper_cuda_graphs(str(out), {k: v for k, v in DRY.settings.items() if k != "device"}, steps=3, device="cpu")
+    numbers = json.loads(out.read_text())
+    assert numbers["bitwise_equal"] and numbers["max_loss_difference"] == 0 and numbers["weight_change"] > 0
+    assert numbers["graphed"]["summary"]["eager"] == 3 and len(numbers["eager"]["losses"]) == 3
+    kit = SimpleNamespace(sizes=DRY, helper=lambda *a, **k: numbers)
+    with pytest.raises(StepFailed, match="the graphed run did not capture once and replay"):
+        step_cuda_graphs(kit)
+    numbers["graphed"]["summary"] = {"captures": 1, "replayed": 4, "eager": 0, "disabled": None}
+    assert step_cuda_graphs(kit) is numbers
+    numbers["weight_difference"] = 0.02 * numbers["weight_change"]
+    with pytest.raises(StepFailed, match=r"the weights differ by .* \(L2\) against a change of"):
+        step_cuda_graphs(kit)
 
 
 def test_peaks_come_from_the_device_name_and_an_unknown_device_gets_no_mfu():
