@@ -3,6 +3,7 @@ with the file named."""
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from dicom_factory import (
     uneven_series,
     write_series,
 )
-from scripts.dicom import DicomCaseError, read_case, read_ct_series, to_hu
+from scripts.dicom import DicomCaseError, read_case, read_ct_series, scan_ct_series, to_hu
 from scripts.dicom.ct import read_hu
 from scripts.synthetic import write_case
 
@@ -351,6 +352,24 @@ def test_a_regular_series_is_read_as_before_without_a_slice_map(case):
     assert ct.slices is None and plain.slices is None
     np.testing.assert_array_equal(ct.hu, plain.hu)
     np.testing.assert_array_equal(ct.affine_lps, plain.affine_lps)
+
+
+def test_the_slices_are_read_ahead_and_the_volume_is_the_one_read_without(case, monkeypatch):
+    """The kernel is asked to read every slice ahead (posix_fadvise WILLNEED) before pydicom parses them, once, only
+    when the pixels are read; the volume and its order are those read without the hint, and a platform without
+    posix_fadvise reads the same."""
+    monkeypatch.delattr(os, "posix_fadvise", raising=False)
+    plain = read_ct_series(case["image_dir"])
+    advised = []
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, offset, length, advice: advised.append((fd, advice)),
+                        raising=False)  # fmt: skip
+    hinted = read_ct_series(case["image_dir"])
+    assert len(advised) == SHAPE[2] and {a for _, a in advised} == {os.POSIX_FADV_WILLNEED}
+    np.testing.assert_array_equal(hinted.hu, plain.hu)
+    assert hinted.hu.strides == plain.hu.strides and hinted.sop_instance_uids == plain.sop_instance_uids
+    advised.clear()
+    scan_ct_series(case["image_dir"])  # headers only: nothing to read ahead
+    assert not advised
 
 
 def test_a_label_map_on_another_grid_is_not_mapped_back(tmp_path):
