@@ -276,5 +276,6 @@ def slug(name: str) -> str:
 
 if __name__ == "__main__":
     import fire
+    from scripts.cli import fire_command
 
-    fire.Fire(run)
+    fire.Fire(run, command=fire_command(sys.argv[1:]))

@@ -61,3 +61,9 @@ def printed(function: Callable[..., Any]) -> Callable[..., None]:
         function(*args, **kwargs)
 
     return cli
+
+
+def fire_command(argv: list[str]) -> list[str]:
+    """``argv`` for ``fire.Fire(..., command=...)``: a lone ``--help`` or ``-h`` as fire's own help flag
+    (``-- --help``), which a function taking ``**overrides`` would otherwise receive as an override and run."""
+    return ["--", "--help"] if argv in (["--help"], ["-h"]) else argv
