@@ -13,7 +13,7 @@ import pytest
 from conftest import SMALL_SHAPE
 from dicom_factory import uneven_series, write_series
 from pydicom.uid import generate_uid
-from scripts.inputs import InferenceInputError, LoadCased, find_inputs, slice_map_of
+from scripts.inputs import InferenceInputError, LoadCased, as_float32, find_inputs, slice_map_of
 
 STUDY_DATE = "20260101"  # the synthetic writer's
 
@@ -140,3 +140,19 @@ def test_an_uneven_series_with_an_instance_number_gap_fails_its_check_as_a_missi
     (tmp_path / "GE" / "0013.dcm").unlink()
     with pytest.raises(InferenceInputError, match=r"InstanceNumber jumps from 12 to 14.*download the series again"):
         find_inputs(tmp_path)
+
+
+@pytest.mark.parametrize("dtype", [np.int16, np.uint16, np.float64, np.float32])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_a_volume_becomes_c_ordered_float32_with_numpys_values_in_any_layout(dtype, threads):
+    """as_float32, load_case's copy: the values and layout np.ascontiguousarray(..., float32) gives, for the
+    Fortran-ordered volumes the reader and NIfTI give (a middle axis of 37 planes: chunks of 16 and a last of 5),
+    a C-ordered one and a strided view; float64 rounds as numpy rounds it."""
+    rng = np.random.default_rng(3)
+    values = rng.normal(0, 2000, (9, 37, 5)) if dtype in (np.float64, np.float32) else rng.integers(0, 4000, (9, 37, 5))
+    fortran = np.asfortranarray(values.astype(dtype))
+    for array in (fortran, np.ascontiguousarray(fortran), fortran[:, ::2, 1:]):
+        out = as_float32(array, threads=threads)
+        expected = np.ascontiguousarray(array, dtype=np.float32)
+        assert out.dtype == np.float32 and out.flags.c_contiguous and out.shape == array.shape
+        np.testing.assert_array_equal(out, expected)
