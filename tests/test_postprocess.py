@@ -23,12 +23,19 @@ ROOT = Path(__file__).resolve().parents[1]
 CENTRE, SMALL = (-2.0, 3.0, -12.0), (14.0, -10.0, -27.0)
 
 
-@pytest.fixture(scope="module")
-def chain():
-    """train.yaml's preprocessing and post-processing, as inference builds them (MONAI's transforms only)."""
+def inference_config(**overrides) -> ConfigParser:
+    """``configs/inference.yaml`` with ``overrides``, at the shipped spacing."""
     parser = ConfigParser()
     parser.read_config(str(ROOT / "configs" / "inference.yaml"))
-    parser.update({"bundle_root": str(ROOT), "spacing": [1.0, 1.0, 3.0]})
+    parser.update({"bundle_root": str(ROOT), "spacing": [1.0, 1.0, 3.0], **overrides})
+    return parser
+
+
+@pytest.fixture(scope="module")
+def chain():
+    """train.yaml's preprocessing (on the host, wherever the tests run) and post-processing, as inference builds them
+    (MONAI's transforms only)."""
+    parser = inference_config(preprocessing_device="cpu")
     return parser.get_parsed_content("preprocessing"), parser.get_parsed_content("inverse_postprocessing")
 
 
@@ -153,10 +160,12 @@ def test_three_classes_with_exact_ties_take_the_first_like_monai(chain, tmp_path
     assert {1, 2} <= set(torch.unique(fast["pred"]).int().tolist()) and handed_over == ["fast"]
 
 
-def test_two_pieces_keep_the_larger_like_monai(chain, tmp_path, handed_over):
-    def pieces(lps):
-        return [np.zeros(lps.shape[:3]), np.maximum(ball_logits(lps, CENTRE, 9.0), ball_logits(lps, SMALL, 4.0))]
+def pieces(lps: np.ndarray) -> list[np.ndarray]:
+    """Background and tumour logits: a 9 mm ball at CENTRE and a 4 mm one at SMALL."""
+    return [np.zeros(lps.shape[:3]), np.maximum(ball_logits(lps, CENTRE, 9.0), ball_logits(lps, SMALL, 4.0))]
 
+
+def test_two_pieces_keep_the_larger_like_monai(chain, tmp_path, handed_over):
     slow, fast, _ = both(chain, tmp_path, pieces)
     assert_same(slow, fast)
     labels = fast["pred"][0].numpy()
@@ -219,3 +228,53 @@ def test_the_work_is_the_tumours_box_and_never_more_than_the_whole_grid(chain, t
     slow, fast, _ = both(chain, tmp_path, corners)
     assert_same(slow, fast)
     assert handed_over[-1] == "fast" and len(resampled) == 1 and grid / 4 < resampled[0] <= grid, (resampled, grid)
+
+
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm device")],
+    ),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_preprocessed_on_the_device_the_image_and_both_label_maps_are_the_hosts(tmp_path, device, handed_over):
+    """inference.yaml's preprocessing with the image on ``device`` (preprocessing_device: MONAI's transforms on the
+    device's tensors) against 0.10's chain on the host (channel first, then ct_transforms), on an oblique, flipped,
+    anisotropic CT; then MONAI's inversion (MONAI Deploy's) and the fast one (the evaluator's) of the same logits,
+    on the device, against the host's.
+
+    On a CPU both are one computation: equal to the bit. On a GPU the resampling is the same float64 interpolation run
+    by another kernel, rounded to float32: the image may differ by a float32 step of the HU before the window (6e-5
+    HU at 1000 HU, 4e-8 after it), so within 1e-6 (0.0015 HU); a label may differ only where the two classes'
+    probabilities on the CT's grid are within 1e-5 of each other (float32 softmax on two kernels)."""
+    parser = inference_config(preprocessing_device=device)
+    host_chain = Compose([parser.get_parsed_content("channel_first"), *parser.get_parsed_content("ct_transforms")])
+    path = write_ct(tmp_path, oblique_ras())
+    host = host_chain({"image": load_case(path, "nifti")})["image"]
+    image = parser.get_parsed_content("preprocessing")({"image": load_case(path, "nifti")})["image"]
+    assert image.device.type == device and image.shape == host.shape
+    if device == "cpu":
+        assert torch.equal(image.as_tensor(), host.as_tensor())
+    torch.testing.assert_close(image.as_tensor().cpu(), host.as_tensor(), atol=1e-6, rtol=0)
+    assert torch.equal(image.affine, host.affine) and image.affine.device.type == "cpu"
+    assert [op["class"] for op in image.applied_operations] == [op["class"] for op in host.applied_operations]
+
+    values = torch.from_numpy(np.stack(pieces(world_lps(host))).astype(np.float32))
+    post = parser.get_parsed_content("inverse_postprocessing")
+    probabilities = Compose(post[:2])({"image": host, "pred": MetaTensor(values.clone(), meta=dict(host.meta))})
+    margin = (probabilities["pred"][1] - probabilities["pred"][0]).abs()
+    for steps in (post, fast_postprocessing(post)):
+        expected = Compose(steps)({"image": host, "pred": MetaTensor(values.clone(), meta=dict(host.meta))})["pred"]
+        found = Compose(steps)({"image": image, "pred": MetaTensor(values.to(device), meta=dict(image.meta))})["pred"]
+        assert found.shape == expected.shape == (1, *load_case(path, "nifti").shape[1:]), "on the CT's own grid"
+        differ = found.as_tensor().cpu()[0] != expected.as_tensor()[0]
+        assert (margin[differ] < 1e-5).all(), f"{int(differ.sum())} labels differ where the classes are not tied"
+        assert int((expected == 1).sum()) > 100 and int(differ.sum()) <= 1e-4 * differ.numel()
+        assert torch.equal(
+            torch.as_tensor(found.meta["original_affine"]), torch.as_tensor(expected.meta["original_affine"])
+        )
+        assert torch.allclose(found.affine, expected.affine)
+    assert handed_over == ["fast", "fast"], "the fast inversion ran on the host's and the device's tensors alike"
