@@ -62,11 +62,14 @@ class Graph(Protocol):
 
     DEVICES: tuple[str, ...]
 
-    def warming(self) -> contextlib.AbstractContextManager: ...
+    def warming(self) -> contextlib.AbstractContextManager:
+        """The context the warm-up steps run in (a side stream for CUDA graphs)."""
 
-    def capture(self, function: Callable[[], Any]) -> Any: ...
+    def capture(self, function: Callable[[], Any]) -> Any:
+        """``function`` run once and recorded; what it returned (its outputs, in the graph's static memory)."""
 
-    def replay(self) -> None: ...
+    def replay(self) -> None:
+        """The recorded work run again, on whatever the static inputs now hold."""
 
 
 class CudaGraph:
