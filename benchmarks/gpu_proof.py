@@ -846,6 +846,7 @@ def _row(kit: Kit, record: dict[str, Any]) -> dict[str, Any]:
                timed_steps=r["timed_steps"], data_wait_percent=round(100 * r["data_wait_fraction"], 1),
                gpu_busy_percent=None if busy is None else round(100 * busy, 1),
                first_step_s=r["first_step_s"] and round(r["first_step_s"], 1), peak_memory_gib=r["peak_memory_gib"],
+               peak_reserved_gib=r.get("peak_reserved_gib"),
                cache=record["report"]["switches"].get("cache"), trace=record.get("trace"),
                compile_cache=r.get("compile_cache"), cuda_graphs=r.get("cuda_graphs"))  # fmt: skip
     return {**row, **mfu(kit, r["patches_per_s"])}
@@ -1099,20 +1100,24 @@ def format_markdown(report: dict[str, Any]) -> str:
             "",
             "Training throughput (benchmark.yaml; the compile rows each in a process of its own, sharing one compile "
             "cache; ms/step median over the timed steps; GPU busy = kernel time over step time; MFU over the dense "
-            "bf16 peak; first step = compile and algorithm search; vs defaults = against today's defaults, this run):",
+            "bf16 peak; peak GiB = the allocator's peak over the timed steps (reserved: what it holds; a CUDA graph's "
+            "pool stays reserved and its replays allocate nothing); first step = compile and algorithm search; vs "
+            "defaults = against today's defaults, this run):",
             "",
-            "| loop | cache | steps | ms/step | patches/s | data wait | GPU busy | MFU | peak GiB | first step s | "
-            "vs defaults | compile cache, CUDA graph |",
+            "| loop | cache | steps | ms/step | patches/s | data wait | GPU busy | MFU | peak GiB (reserved) | "
+            "first step s | vs defaults | compile cache, CUDA graph |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in report["throughput"]:
             share = f"{100 * r['mfu']:.1f} %" if r.get("mfu") is not None else "n/a"
             busy = f"{r['gpu_busy_percent']:.1f} %" if r.get("gpu_busy_percent") is not None else "n/a"
             ratio = f"{r['vs_defaults']:.2f}x" if r.get("vs_defaults") else ""
+            reserved = f" ({r['peak_reserved_gib']:.2f})" if r.get("peak_reserved_gib") is not None else ""
             lines.append(
                 f"| {r['loop']} | {r['cache']} | {r['timed_steps']} x {r['patches_per_step']} | "
                 f"{r['ms_per_step']:.0f} | {r['patches_per_s']:.2f} | {r['data_wait_percent']:.1f} % | {busy} | "
-                f"{share} | {r['peak_memory_gib']:.2f} | {r['first_step_s'] or 'n/a'} | {ratio} | {_row_notes(r)} |"
+                f"{share} | {r['peak_memory_gib']:.2f}{reserved} | {r['first_step_s'] or 'n/a'} | {ratio} | "
+                f"{_row_notes(r)} |"
             )
     others = report.get("throughput_not_run", [])
     if others:  # a failed or skipped row says so in the table's file too, not only in the JSON

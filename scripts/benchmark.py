@@ -172,6 +172,11 @@ class StepTimer:
             "warmup_s": float(sum(self.warmup_times)),
             "peak_memory_gib": round(peak, 3),
             "peak_memory_kind": kind,
+            # what the allocator holds: a CUDA graph's pool stays reserved between replays, which allocate nothing,
+            # so with cuda_graphs the allocated peak of the timed steps says little of the memory the step needs
+            "peak_reserved_gib": (
+                round(torch.cuda.max_memory_reserved(self.device) / 2**30, 3) if self.device.type == "cuda" else None
+            ),
         }
         result["ranks"] = world_size()  # DDP: every rank takes the same steps, the run does N times one rank's work
         result["global_patches_per_s"] = result["patches_per_s"] * result["ranks"]

@@ -26,8 +26,9 @@ def test_benchmark_reports_the_defaults(tiny_data, tmp_path):
     assert 0 <= result["data_wait_fraction"] < 1 and result["patches_per_s"] > 0
     assert report["switches"]["cache"] == "memory" and report["switches"]["loader"] == "DataLoader"
     assert report["switches"]["compile_setting"] == "auto" and report["switches"]["compile"] is False, "auto: off here"
-    assert report["switches"]["cuda_graphs"] is False and result["cuda_graphs"] is None
+    assert report["switches"]["cuda_graphs"] is True and result["cuda_graphs"] is None, "on by default, off on a CPU"
     assert "compile: off (auto: the device is cpu" in stdout
+    assert "cuda_graphs: off (the device is cpu; CUDA graphs (HIP graphs on ROCm) need a GPU)" in stdout
     assert report["device"]["backend"] == "cpu" and report["device"]["torch"]
     assert "benchmark:" in stdout and "patches/s" in stdout
     assert (tmp_path / "run" / "device_report.json").is_file()
@@ -37,14 +38,13 @@ def test_benchmark_reports_the_defaults(tiny_data, tmp_path):
 def test_every_cpu_switch_flipped_still_trains(tiny_data, tmp_path):
     flipped = {"cache": "disk", "thread_loader": "true", "use_checkpoint": "true", "use_v2": "true",
                "channels_last": "true", "fused_attention": "true", "compile": "true", "compile_backend": "eager",
-               "cpu_threads": 2, "cache_dir": tmp_path / "cache", "num_samples": 2, "cuda_graphs": "true",
+               "cpu_threads": 2, "cache_dir": tmp_path / "cache", "num_samples": 2, "cuda_graphs": "false",
                "compile_cache_dir": tmp_path / "compiled"}  # fmt: skip
     report, stdout = benchmark(tiny_data, tmp_path, **flipped)
     switches = report["switches"]
     assert switches["loader"] == "ThreadDataLoader" and switches["cache"] == "disk"
     assert switches["use_checkpoint"] and switches["use_v2"] and switches["channels_last"] and switches["compile"]
-    assert switches["fused_attention"] and switches["cuda_graphs"] and report["result"]["cuda_graphs"] is None
-    assert "cuda_graphs: off (the device is cpu; CUDA graphs (HIP graphs on ROCm) need a GPU)" in stdout
+    assert switches["fused_attention"] and switches["cuda_graphs"] is False and report["result"]["cuda_graphs"] is None
     assert f"compile cache: {tmp_path / 'compiled'}" in stdout and "compile: on (compile: true)" in stdout
     assert report["device"]["settings"]["torch.num_threads"] == {"value": 2, "source": "config"}
     # PersistentDataset writes a volume when first loaded: at least the 3 loaded steps, at most the training list
