@@ -58,6 +58,18 @@ def root() -> Path:
     return ROOT
 
 
+@pytest.fixture(scope="session", autouse=True)
+def nothing_written_under_the_default_dataset_dir() -> Iterator[None]:
+    """No test writes under train.yaml's default ``dataset_dir`` (a user's real data may live there, and a folder left
+    there changes what later tests of configs left at their defaults read): every test names its own folders."""
+    import yaml
+
+    default = Path(yaml.safe_load((ROOT / "configs" / "train.yaml").read_text())["dataset_dir"])
+    existed = default.exists()
+    yield
+    assert existed or not default.exists(), f"a test wrote under the default dataset_dir {default}: name a folder"
+
+
 @pytest.fixture(scope="session")
 def small_cases(tmp_path_factory) -> tuple[Path, list[dict]]:
     """Four small synthetic cases in the TCIA layout, with their truth."""

@@ -70,11 +70,22 @@ def test_off_or_whole_leaves_the_network_alone_and_unknown_blocks_are_an_error()
 
 
 @pytest.mark.parametrize(("scope", "trainer_compiles"), [("regional", False), ("whole", True)])
-def test_the_trainer_compiles_only_for_scope_whole(root, scope, trainer_compiles):
+def test_the_trainer_compiles_only_for_scope_whole(root, scope, trainer_compiles, tmp_path, monkeypatch):
+    # the compile cache is set for this process and the processes it starts (TORCHINDUCTOR_CACHE_DIR): undone after,
+    # or a later test's bundle run would find it exported
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     parser = ConfigParser()
     parser.read_config(str(root / "configs" / "train.yaml"))
-    parser.update({"bundle_root": str(root), "compile": "true", "compile_scope": scope, "feature_size": 12,
-                   "device": "$torch.device('cpu')", "training_steps": 0})  # fmt: skip
+    settings = {
+        "bundle_root": str(root),
+        "compile": "true",
+        "compile_scope": scope,
+        "feature_size": 12,
+        "device": "$torch.device('cpu')",
+        "training_steps": 0,
+        "compile_cache_dir": str(tmp_path / "compiled"),
+    }  # fmt: skip (not the default, under /data/tcia)
+    parser.update(settings)
     parser.get_parsed_content("scripts")
     assert parser.get_parsed_content("train#trainer#compile") is trainer_compiles
     assert bool(compiled_regions(parser.get_parsed_content("training_network"))) is not trainer_compiles

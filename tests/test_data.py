@@ -38,9 +38,9 @@ def train_config(small_cases, tmp_path_factory, root) -> ConfigParser:
     prepare(dicom_dir, prepared, progress=False, num_workers=1)
     parser = ConfigParser()
     parser.read_config(str(root / "configs" / "train.yaml"))
-    parser.update(
-        {"bundle_root": str(root), "prepared_dir": str(prepared), "roi_size": ROI, "num_samples": 8, "cache": "memory"}
-    )
+    settings = {"bundle_root": str(root), "dataset_dir": str(dicom_dir), "prepared_dir": str(prepared),
+                "roi_size": ROI, "num_samples": 8, "cache": "memory"}  # fmt: skip
+    parser.update(settings)
     return parser
 
 
