@@ -268,3 +268,24 @@ def test_a_network_without_parameters_runs_on_the_onnx_backend_as_in_torch(tmp_p
     onnx = onnx_network(network, weights, WINDOW)
     x = torch.rand(2, 1, *WINDOW)
     np.testing.assert_allclose(onnx(x).numpy(), network(x).numpy(), atol=1e-6)
+
+
+def test_a_dropped_openvino_network_is_freed_with_its_threads(tmp_path):
+    """A server that compiles new weights drops the old compiled model: nothing of it stays (its queue's callback
+    holds no reference back to it), so threads and memory do not grow with each new set of weights."""
+    import gc
+    import weakref
+
+    network, weights = saved(small_network(0), tmp_path / "model.pt")
+    model_file = onnx_file(network, weights, WINDOW)
+    x = torch.rand(2, 1, *WINDOW)
+    OpenVinoNetwork(model_file, threads=2, precision="f32")(x)  # the plugin's own threads start once
+    threads = len(os.listdir("/proc/self/task"))
+    for _ in range(3):
+        compiled = OpenVinoNetwork(model_file, threads=2, precision="f32")
+        compiled(x)
+        alive = weakref.ref(compiled)
+        del compiled
+        assert alive() is None, "freed when dropped, without waiting for the garbage collector"
+    gc.collect()
+    assert len(os.listdir("/proc/self/task")) <= threads
