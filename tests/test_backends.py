@@ -270,6 +270,25 @@ def test_a_network_without_parameters_runs_on_the_onnx_backend_as_in_torch(tmp_p
     np.testing.assert_allclose(onnx(x).numpy(), network(x).numpy(), atol=1e-6)
 
 
+def test_the_export_is_keyed_by_the_weights_the_network_holds_not_by_its_file(tmp_path, exports):
+    """The same tensors loaded from another file, or laid out channels-last, find the export; one value changed does
+    not (weights_sha256)."""
+    from scripts.backends import weights_sha256
+
+    network, weights = saved(small_network(0), tmp_path / "model.pt")
+    onnx_file(network, weights, WINDOW)
+    same = small_network(5)
+    same.load_state_dict(torch.load(weights))
+    assert weights_sha256(same) == weights_sha256(network.to(memory_format=torch.channels_last_3d))
+    onnx_file(same, weights, WINDOW)
+    assert len(exports()) == 1
+    with torch.no_grad():
+        same[0].weight[0, 0, 0, 0, 0] += 1e-6
+    assert weights_sha256(same) != weights_sha256(network)
+    onnx_file(same, weights, WINDOW)
+    assert len(exports()) == 2
+
+
 def test_a_dropped_openvino_network_is_freed_with_its_threads(tmp_path):
     """A server that compiles new weights drops the old compiled model: nothing of it stays (its queue's callback
     holds no reference back to it), so threads and memory do not grow with each new set of weights."""
