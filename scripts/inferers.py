@@ -10,6 +10,10 @@ whole input would have needed, the seconds spent finding the region and predicti
 out-of-memory error the case is run again once with the windows on the accelerator (``sw_device``) and the output
 stitched in CPU memory. ``force_oom=N`` makes the first N cases run out of memory on purpose, so that a run proves the
 fallback on a real device (``benchmarks/gpu_proof.py`` passes ``--sliding_window_inferer#force_oom 1``).
+:class:`RuntimeSlidingWindowInferer` is inference.yaml's ``inferer`` where the bundle's Python is importable: MONAI's
+sliding window over the PyTorch network it is handed (MONAI Label hands it its own ``network_def`` with
+``models/model.pt``), run on a CPU by the bundle's CPU runtime, through the export cache ``monai.bundle run inference``
+uses (:class:`scripts.backends.WeightsRuntime`).
 :class:`SameDeviced` ends the post-processing of validation and evaluation: the prediction and the label meet on one
 device before any metric, wherever the fallback left the prediction.
 """
@@ -28,6 +32,7 @@ from monai.inferers import SlidingWindowInferer
 from monai.inferers.utils import _get_scan_interval
 from monai.transforms import MapTransform
 from monai.utils import convert_to_dst_type, ensure_tuple_rep, fall_back_tuple
+from scripts.backends import CPU_BACKENDS, WeightsRuntime, device_of, resolve, resolve_precision
 from scripts.dicom.common import LPS_TO_RAS
 from scripts.region import MARGIN_MM, Region, find_thorax
 
@@ -143,6 +148,51 @@ class FallbackSlidingWindowInferer(SlidingWindowInferer):
             lps = box.corners_world(LPS_TO_RAS @ ras.reshape(-1, 4, 4)[0])
             record["box_lps_mm"] = [[round(float(v), 1) for v in corner] for corner in lps]
         return record
+
+
+class RuntimeSlidingWindowInferer(SlidingWindowInferer):
+    """MONAI's sliding window over the network it is handed, which on a CPU runs in the bundle's CPU runtime.
+
+    ``backend`` and ``precision`` are the settings ``inference_backend`` and ``cpu_precision``, resolved as the
+    bundle's inference resolves them (:func:`scripts.backends.resolve`, :func:`scripts.backends.resolve_precision`)
+    on the device of the network of each call: on a CPU with a CPU runtime in force, the network's weights are run by
+    that runtime (:class:`scripts.backends.WeightsRuntime`: exported and compiled for new weights, cached beside
+    ``weights`` or in ``cache_dir``, the same compiled model while the weights stay); elsewhere (a GPU,
+    ``inference_backend: torch``, a TorchScript module such as MONAI Deploy's ``model.ts``) the network itself, exactly
+    as MONAI's ``SlidingWindowInferer``."""
+
+    def __init__(
+        self,
+        roi_size: Sequence[int],
+        sw_batch_size: int = 1,
+        overlap: float = 0.25,
+        *args: Any,
+        backend: str = "auto",
+        precision: str = "auto",
+        weights: str = "models/model.pt",
+        cache_dir: str | None = None,
+        threads: int | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(roi_size, sw_batch_size, overlap, *args, **kwargs)
+        self.backend, self.precision, self.weights = backend, precision, weights
+        self.cache_dir, self.threads = cache_dir, threads
+        self.runtime: WeightsRuntime | None = None
+
+    def __call__(self, inputs: torch.Tensor, network, *args: Any, **kwargs: Any):
+        return super().__call__(inputs, self.network_for(network), *args, **kwargs)
+
+    def network_for(self, network):
+        """What runs the windows: the CPU runtime's network for ``network``'s weights, or ``network`` itself."""
+        if isinstance(network, torch.jit.ScriptModule) or not isinstance(network, torch.nn.Module):
+            return network
+        backend = resolve(self.backend, device_of(network))
+        if backend not in CPU_BACKENDS:
+            return network
+        if self.runtime is None:
+            precision = resolve_precision(self.precision, backend)
+            self.runtime = WeightsRuntime(backend, self.weights, self.roi_size, self.cache_dir, self.threads, precision)
+        return self.runtime(network)
 
 
 class SameDeviced(MapTransform):

@@ -63,3 +63,56 @@ def test_a_prediction_stitched_on_the_cpu_is_scored_against_a_label_on_the_gpu()
     both = SameDeviced(["pred", "label"])({"pred": pred, "label": label})
     dice = DiceMetric(include_background=False)(both["pred"], both["label"])
     assert float(dice) == pytest.approx(2 * 48 / (64 + 48))
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# inference.yaml's `inferer` where the bundle's Python is importable (MONAI Label): the CPU runtime for the weights
+# of the network it is handed. A small 3-D network stands in for SwinUNETR (tests/test_monailabel.py runs SwinUNETR)
+def small_network(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Conv3d(1, 4, 3, padding=1), torch.nn.InstanceNorm3d(4),
+                               torch.nn.LeakyReLU(0.01), torch.nn.Conv3d(4, 2, 1)).eval()  # fmt: skip
+
+
+def test_on_a_cpu_the_handed_networks_weights_run_in_the_runtime_and_new_weights_are_exported_anew(tmp_path, caplog):
+    """The handed network's weights in OpenVINO (f32: PyTorch's output within 1e-4), exported beside ``weights`` on the
+    first call; later calls with the same weights -- the same network, or another one holding equal tensors, as MONAI
+    Label's reload of an unchanged file -- use the same compiled model; weights loaded into the same network in place
+    are exported and compiled anew, and their output is theirs."""
+    from monai.inferers import SlidingWindowInferer
+    from scripts.inferers import RuntimeSlidingWindowInferer
+
+    caplog.set_level(logging.INFO, logger="scripts.backends")
+    window = (16, 16, 8)
+    inferer = RuntimeSlidingWindowInferer(window, 2, 0.25, backend="openvino", precision="f32",
+                                          weights=str(tmp_path / "model.pt"))  # fmt: skip
+    reference = SlidingWindowInferer(window, 2, 0.25)
+    volume = torch.rand(1, 1, 30, 20, 12, generator=torch.Generator().manual_seed(1))
+    network, other = small_network(0), small_network(1)
+    exports = lambda: sum(r.getMessage().startswith("exporting ") for r in caplog.records)  # noqa: E731
+
+    compiled = []
+    for handed in (network, small_network(0), network):
+        with torch.no_grad():
+            torch.testing.assert_close(inferer(volume, handed), reference(volume, handed), rtol=1e-4, atol=1e-4)
+        compiled.append(inferer.runtime.network)
+    assert exports() == 1 and compiled[0] is compiled[1] is compiled[2], "exported and compiled once"
+    assert (tmp_path / "model.pt.onnx").is_file() and list((tmp_path / "model.pt.onnx.openvino-f32").glob("*.blob"))
+    network.load_state_dict(other.state_dict())  # new weights, the same network and tensors
+    with torch.no_grad():
+        torch.testing.assert_close(inferer(volume, network), reference(volume, other), rtol=1e-4, atol=1e-4)
+    assert exports() == 2 and inferer.runtime.network is not compiled[0]
+
+
+def test_on_a_gpu_with_torch_or_for_torchscript_the_inferer_runs_the_network_itself(tmp_path, monkeypatch):
+    """As MONAI's SlidingWindowInferer: nothing exported, the handed network called (MONAI Deploy hands model.ts)."""
+    from scripts.inferers import RuntimeSlidingWindowInferer
+
+    network = small_network(0)
+    scripted = torch.jit.trace(network, torch.rand(1, 1, 8, 8, 8))
+    torch_inferer = RuntimeSlidingWindowInferer((8, 8, 8), backend="torch", weights=str(tmp_path / "model.pt"))
+    auto = RuntimeSlidingWindowInferer((8, 8, 8), backend="auto", weights=str(tmp_path / "model.pt"))
+    assert torch_inferer.network_for(network) is network and auto.network_for(scripted) is scripted
+    monkeypatch.setattr("scripts.inferers.device_of", lambda module: torch.device("cuda", 0))
+    assert auto.network_for(network) is network
+    assert not list(tmp_path.iterdir()), "nothing exported"

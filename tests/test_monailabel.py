@@ -6,8 +6,8 @@ and ``BundleTrainTask`` (``monailabel/tasks/{infer,train}/bundle.py``) use the c
 
 * inference: MONAI Label prefers ``pre_transforms`` / ``post_transforms`` (configs/inference.yaml, above its GENERATED
   line) to ``preprocessing`` / ``postprocessing``, puts the path of a NIfTI file or DICOM folder under ``image`` and
-  ``image_path``, and runs its own ``network_def`` with models/model.pt through ``inferer`` (MONAI's sliding window);
-  on the chest phantom that gives the bundle's own inference, the windows in the same thorax box;
+  ``image_path``, and runs its own ``network_def`` with models/model.pt through ``inferer`` (MONAI's sliding window,
+  here run by PyTorch); on the chest phantom that gives the bundle's own inference, the windows in the same thorax box;
 * training: it runs ``configs/train.json`` with its own ``train#dataset#data`` and ``validate#dataset#data``, a
   ``device`` string, ``train#trainer#max_epochs`` and a CheckpointLoader inserted into ``train#handlers`` (which it
   reads as mappings); such a run prepares nothing and writes its best weights to ``model_path``.
@@ -15,12 +15,17 @@ and ``BundleTrainTask`` (``monailabel/tasks/{infer,train}/bundle.py``) use the c
 Then the real MONAI Label 0.8.5 (skipped where it is not installed: ``pip install --no-deps -r
 requirements-monailabel.txt``), in a process of its own, since it unloads and reloads the bundle's ``scripts`` package
 and sets up logging: the app object its server builds (``app_instance`` on ``apps/monaibundle`` as ``monailabel apps
---download --name monaibundle`` writes it, with a studies folder of its own), inference on a NIfTI file and on a DICOM
-series, one training round on two labelled studies (one to train on, one to validate), and inference again with the
-weights that round wrote. The network is SwinUNETR at feature size 12 on 64 x 64 x 32 windows at 2 x 2 x 3 mm (as
-tests/test_model_zoo.py and the demo run it), set in the copy's configs; everything else is the configs as shipped.
-The program MONAI Label runs in is at the bottom of this file (``python tests/test_monailabel.py WORK_DIR``), with the
-two workarounds MONAI Label 0.8.5 needs beside this bundle's pinned packages.
+--download --name monaibundle`` writes it, with a studies folder of its own) serving REQUESTS inference requests in a
+row -- a NIfTI file, a DICOM series, then the NIfTI again, the network in the bundle's CPU runtime (OpenVINO) -- with
+one training round on two labelled studies (one to train on, one to validate) after the first half, in a process of its
+own as the server runs it (``python tests/test_monailabel.py --train WORK_DIR``), whose weights the later requests run;
+each request's seconds, what the runtime logged, and the process's memory, threads and children. Then, in the same
+process, ``monai.bundle run inference`` of the copied bundle on REQUESTS copies of the NIfTI with its DataLoader workers
+(forked after OpenVINO's threads started): the same label map as MONAI Label's, from the export MONAI Label made. The
+network is SwinUNETR at feature size 12 on 64 x 64 x 32 windows at 2 x 2 x 3 mm (as tests/test_model_zoo.py and the
+demo run it), set in the copy's configs; everything else is the configs as shipped. The program MONAI Label runs in is
+at the bottom of this file (``python tests/test_monailabel.py WORK_DIR``), with the two workarounds MONAI Label 0.8.5
+needs beside this bundle's pinned packages.
 
 And the install lines of docs/monailabel.md (its "Install" section; requirements-monailabel.txt goes in with
 ``--no-deps``, so nothing it does not name comes along): every module MONAI Label's command, server and app and
@@ -33,15 +38,18 @@ from __future__ import annotations
 
 import argparse
 import ast
+import gc
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 import re
 import shlex
 import shutil
 import subprocess
 import sys
+import threading
 import time
 import types
 from pathlib import Path
@@ -62,6 +70,7 @@ SMALL_TRAINING = {"val_interval": 1, "num_workers": 0, "cache": "none", "warmup_
 PHANTOM_GRID = [4.0, 4.0, 6.0]
 MONAILABEL_MISSING = importlib.util.find_spec("monailabel") is None
 INSTALL = "pip install --no-deps -r requirements-monailabel.txt (what CI installs; see that file)"
+REQUESTS = 20  # inference requests the MONAI Label program serves in one process, a training round halfway
 
 
 class TumourBand(torch.nn.Module):
@@ -112,7 +121,7 @@ def test_monai_label_transforms_and_inferer_give_our_inference_in_the_thorax(tmp
     from scripts.inputs import load_case
 
     ct = phantom_nifti(tmp_path)
-    parser = inference_parser(spacing=PHANTOM_GRID)
+    parser = inference_parser(spacing=PHANTOM_GRID, inference_backend="torch")  # TumourBand as it is: no weights
     network = TumourBand()
 
     theirs = {"image": str(ct), "image_path": str(ct), "device": "cpu"}  # MONAI Label's request, as it hands it over
@@ -406,9 +415,9 @@ def test_monai_label_infers_on_a_nifti_file_and_a_dicom_series_on_their_own_grid
 
 @needs_monailabel
 def test_training_from_monai_label_writes_the_weights_it_then_serves(monai_label):
-    """One round of MONAI Label's training (its cases, "cpu", one epoch, its CheckpointLoader): nothing prepared, the
-    served weights loaded first, the best weights written to models/model.pt, and MONAI Label's next inference runs
-    exactly those weights."""
+    """One round of MONAI Label's training (its cases, "cpu", one epoch, its CheckpointLoader; in a process of its own,
+    as the server runs it): nothing prepared, the served weights loaded first, the best weights written to
+    models/model.pt, and MONAI Label's later inference runs exactly those weights."""
     work, result = monai_label
     assert result["train"] == {}
     assert "Restored all variables from" in result["log"] and f"{NAME}/models/model.pt" in result["log"]
@@ -418,6 +427,75 @@ def test_training_from_monai_label_writes_the_weights_it_then_serves(monai_label
     bundle = work / "apps" / "monaibundle" / "model" / NAME
     assert (bundle / "runs" / "train" / "checkpoints" / "latest.pt").is_file()
     assert json.loads((bundle / "models" / "model.json").read_text())["labels"] == ["GTV-1"]
+
+
+@needs_monailabel
+def test_monai_label_serves_request_after_request_in_one_process_and_new_weights_get_a_new_export(monai_label):
+    """REQUESTS inferences in one server process, a training round (in its own process, as the server runs it) after
+    the first half: every request answers; on the CPU the network runs in OpenVINO, exported and compiled at the first
+    request (each step logged with its seconds) and at the first after the training (the new weights: another
+    SHA-256), every other request on the compiled model it has; the process's memory after the last request within
+    10 % of the third's and flat within each half (no leak per request), its threads as after the third, no child
+    process left."""
+    _, result = monai_label
+    requests = result["requests"]
+    assert len(requests) == REQUESTS and all(Path(result[r["kind"]]["file"]).is_file() for r in requests)
+    made = [i for i, r in enumerate(requests, 1) if any(m.startswith("exporting ") for m in r["runtime"])]
+    assert made == [1, REQUESTS // 2 + 1], [r["runtime"] for r in requests]
+    for i in made:
+        log = " | ".join(requests[i - 1]["runtime"])
+        assert re.search(r"exported in [\d.]+ s .* (bf16|f32), .* compiled in [\d.]+ s", log), log
+    weights = [re.search(r"weights sha256 (\w+) ready", " ".join(requests[i - 1]["runtime"])).group(1) for i in made]
+    assert weights[0] != weights[1], "the trained weights are not the first weights"
+    for i, r in enumerate(requests, 1):
+        if i not in made:
+            assert len(r["runtime"]) == 1 and "are those it runs already" in r["runtime"][0], (i, r["runtime"])
+    rss = [r["rss_mb"] for r in requests]
+    assert rss[-1] <= 1.10 * rss[2], f"RSS (MB) after each request: {rss}"
+    half = REQUESTS // 2
+    assert max(rss[2:half]) <= 1.02 * rss[2] and max(rss[half + 1 :]) <= 1.02 * rss[half + 1], rss
+    assert requests[-1]["threads"] == requests[2]["threads"], [(r["threads"], r["python_threads"]) for r in requests]
+    assert not any(r["children"] for r in requests)
+
+
+@needs_monailabel
+def test_monai_label_gives_the_bundles_own_inference_with_the_same_weights_and_runtime(monai_label):
+    """The last request's label map (the trained weights, OpenVINO) is, voxel for voxel, what ``monai.bundle run
+    inference`` of the bundle copied into the app writes for the same CT; that run found MONAI Label's export and
+    compiled model (loaded, not exported or compiled again)."""
+    import nibabel as nib
+
+    _, result = monai_label
+    served = nib.load(result[f"request_{REQUESTS}"]["file"])
+    ours = nib.load(result["bundle"]["files"][0])
+    np.testing.assert_allclose(served.affine, ours.affine, atol=1e-4)
+    np.testing.assert_array_equal(np.asarray(served.dataobj), np.asarray(ours.dataobj))
+    log = " | ".join(result["bundle"]["runtime"])
+    assert "exporting" not in log and " loaded in " in log and " compiled in " not in log, log
+
+
+@needs_monailabel
+def test_an_inference_run_of_many_cases_with_forked_workers_after_the_runtime_started_answers_each_without_growing(
+    monai_label,
+):
+    """``monai.bundle run inference`` on REQUESTS cases in the server's process, whose OpenVINO threads run already,
+    with the config's DataLoader workers forked from it: every case is done and gives the same label map, the
+    process's memory after the last case within 10 % of the third's and its threads the same after each case; once
+    the run is dropped, its threads are those it had before (its compiled model is freed) and no worker is left."""
+    import nibabel as nib
+
+    _, result = monai_label
+    run = result["bundle"]
+    assert run["workers"] == 2 and run["before"]["threads"] > 1 + len(run["before"]["python_threads"])
+    assert (run["done"], run["failed"]) == (REQUESTS, 0) and len(run["cases"]) == REQUESTS
+    first = np.asarray(nib.load(run["files"][0]).dataobj)
+    for file in run["files"][1:]:
+        np.testing.assert_array_equal(np.asarray(nib.load(file).dataobj), first)
+    rss = [case["rss_mb"] for case in run["cases"]]
+    assert rss[-1] <= 1.10 * rss[2], f"RSS (MB) after each case: {rss}"
+    assert any(case["children"] for case in run["cases"]), "the workers ran while the cases did"
+    assert len({case["threads"] for case in run["cases"]}) == 1, "no thread more per case"
+    assert not run["after"]["children"] and run["after"]["threads"] == run["before"]["threads"], "nothing left"
 
 
 @needs_monailabel
@@ -481,17 +559,38 @@ def copy_bundle(bundle: Path, no_dicom: Path) -> None:
     (bundle / "models" / "model.json").write_text(json.dumps({"labels": ["GTV-1"]}))
 
 
+def server_app(work: Path):
+    """The app object of `monailabel start_server --app apps/monaibundle --studies studies --conf models <name>
+    --conf zoo_source github`."""
+    from monailabel.interfaces.utils.app import app_instance
+
+    conf = {"models": NAME, "zoo_source": "github", "preload": "false", "sam2": "false"}
+    return app_instance(str(work / "apps" / "monaibundle"), str(work / "studies"), conf)
+
+
+def train_monai_label(work: Path) -> int:
+    """One training round, as MONAI Label's server runs a POST /train in a process of its own: its cases, "cpu", one
+    epoch, one patch (num_samples as 3D Slicer's Options -> Train sends it: configs/train.yaml's
+    displayable_configs); the answer to WORK_DIR/train.json."""
+    os.environ.update(MONAI_LABEL_DATASTORE_AUTO_RELOAD="false", MONAI_LABEL_SESSION_PATH=str(work / "sessions"))
+    monai_label_workarounds()
+    logging.basicConfig(level=logging.INFO, format="[%(asctime)s] [%(levelname)s] (%(name)s) %(message)s")
+    answer = server_app(work).train({"model": NAME, "max_epochs": 1, "val_split": 0.5, "device": "cpu",
+                                     "multi_gpu": False, "num_samples": 1})  # fmt: skip
+    (work / "train.json").write_text(json.dumps(answer))
+    return 0
+
+
 def run_monai_label(work: Path) -> int:
-    """The app object the server builds, asked as 3D Slicer asks: infer (NIfTI, DICOM), train, infer again."""
+    """The app object the server builds, asked as 3D Slicer asks: REQUESTS inferences (NIfTI, DICOM, then NIfTI), a
+    training round after the first half; then the bundle's own inference of the same NIfTI."""
     os.environ.update(MONAI_LABEL_DATASTORE_AUTO_RELOAD="false", MONAI_LABEL_SESSION_PATH=str(work / "sessions"))
     monai_label_workarounds()
     try:
-        from monailabel.interfaces.utils.app import app_instance
         from monailabel.main import Main
     except ImportError as err:
         print(f"{type(err).__name__}: {err}")
         return CANNOT_IMPORT
-    import logging
 
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s] [%(levelname)s] (%(name)s) %(message)s")
     clock, seconds = time.perf_counter(), {}
@@ -501,12 +600,14 @@ def run_monai_label(work: Path) -> int:
     app_dir = work / "apps" / "monaibundle"
     bundle = app_dir / "model" / NAME
     copy_bundle(bundle, work / "no-dicom")
-    # monailabel start_server --app apps/monaibundle --studies studies --conf models <name> --conf zoo_source github
-    conf = {"models": NAME, "zoo_source": "github", "preload": "false", "sam2": "false"}
-    app = app_instance(str(app_dir), str(work / "studies"), conf)
+    app = server_app(work)
     seconds["app"] = round(time.perf_counter() - clock, 1)
     results = {"info": app.info()["models"][NAME], "trainer": NAME in app.info()["trainers"], "seconds": seconds}
     (work / "results").mkdir()
+
+    runtime_log = RuntimeLog()  # on the runtime's logger: the training's logging set-up replaces the root's handlers
+    logging.getLogger("scripts.backends").addHandler(runtime_log)
+    results["requests"] = []
 
     def infer(kind: str, image: str, **params) -> None:
         start = time.perf_counter()
@@ -514,25 +615,96 @@ def run_monai_label(work: Path) -> int:
         file = work / "results" / f"{kind}{''.join(Path(answer['file']).suffixes)}"
         shutil.move(answer["file"], file)
         results[kind] = {"file": str(file), "params": answer["params"]}
-        seconds[kind] = round(time.perf_counter() - start, 1)
+        results["requests"].append({"kind": kind, "seconds": round(time.perf_counter() - start, 2),
+                                    "runtime": runtime_log.take(), **process_state()})  # fmt: skip
 
+    # REQUESTS requests in a row, a training round after the first half: 3D Slicer's clicks on a server that runs
     infer("nifti", request["nifti"])
     infer("dicom", request["dicom"], result_extension=".nii.gz")  # a folder has no extension: 3D Slicer names one
+    for i in range(3, REQUESTS // 2 + 1):
+        infer(f"request_{i}", request["nifti"])
     weights = bundle / "models" / "model.pt"
     before = hashlib.sha256(weights.read_bytes()).hexdigest()
     start = time.perf_counter()
-    # num_samples as 3D Slicer's Options -> Train sends it (configs/train.yaml's displayable_configs): one patch
-    results["train"] = app.train({"model": NAME, "max_epochs": 1, "val_split": 0.5, "device": "cpu",
-                                  "multi_gpu": False, "num_samples": 1})  # fmt: skip
+    # in a process of its own, as the server's POST /train runs it (AsyncTask: python -m
+    # monailabel.interfaces.utils.app -m train), which writes models/model.pt for this process to reload
+    subprocess.run([sys.executable, __file__, "--train", str(work)], cwd=work, check=True)
+    results["train"] = json.loads((work / "train.json").read_text())
     seconds["train"] = round(time.perf_counter() - start, 1)
     infer("after_training", request["nifti"])
+    for i in range(REQUESTS // 2 + 2, REQUESTS + 1):
+        infer(f"request_{i}", request["nifti"])
+    seconds["requests"] = [r["seconds"] for r in results["requests"]]
     served = app._infers[NAME]._networks["cpu"][0].state_dict()  # the network MONAI Label ran just now
     written = torch.load(weights, map_location="cpu")
     results["weights"] = {"before": before, "after": hashlib.sha256(weights.read_bytes()).hexdigest(),
                           "served_equals_written": served.keys() == written.keys()
                           and all(torch.equal(v, written[k]) for k, v in served.items())}  # fmt: skip
+    # the bundle's own inference of the same CT with the weights MONAI Label served last, in the same process
+    start = time.perf_counter()
+    results["bundle"] = bundle_inference(bundle, Path(request["nifti"]), work / "bundle", REQUESTS)
+    results["bundle"]["runtime"] = runtime_log.take()
+    seconds["bundle"] = round(time.perf_counter() - start, 1)
     (work / "result.json").write_text(json.dumps(results, indent=2, default=str))
     return 0
+
+
+class RuntimeLog(logging.Handler):
+    """What the CPU runtime logs (scripts.backends: the export, OpenVINO's compilation or load, a reuse), taken per
+    request."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+    def take(self) -> list[str]:
+        taken, self.messages = self.messages, []
+        return taken
+
+
+def process_state() -> dict:
+    """This process's resident memory (MB), threads and child processes, from /proc."""
+    status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
+    tasks = list(Path("/proc/self/task").iterdir())
+    children = [c for t in tasks for c in (t / "children").read_text().split()]
+    return {"rss_mb": int(status["VmRSS"].split()[0]) / 1024, "threads": len(tasks), "children": children,
+            "python_threads": sorted(t.name for t in threading.enumerate())}  # fmt: skip
+
+
+def bundle_inference(bundle: Path, image: Path, out: Path, cases: int) -> dict:
+    """``monai.bundle run inference`` of the bundle copied into the app (its configs, its models/model.pt) on
+    ``cases`` copies of one NIfTI CT, in this process, with the config's DataLoader workers (forked, here after the
+    CPU runtime's threads started); per case this process's state (:func:`process_state`), its label map, and what
+    the runtime logged."""
+    from ignite.engine import Events
+    from monai.bundle import ConfigWorkflow
+
+    (out / "in").mkdir(parents=True)
+    names = [f"case{i:02d}" for i in range(1, cases + 1)]
+    for name in names:
+        shutil.copy(image, out / "in" / f"{name}{''.join(image.suffixes)}")
+    workflow = ConfigWorkflow(config_file=str(bundle / "configs" / "inference.yaml"), workflow_type="infer",
+                              meta_file=str(bundle / "configs" / "metadata.json"), logging_file=False,
+                              bundle_root=str(bundle), input_dir=str(out / "in"), output_dir=str(out / "out"),
+                              write_dicom_seg=False, write_rtstruct=False, write_sr=False,
+                              write_report=False)  # fmt: skip
+    workflow.initialize()
+    states = []
+    evaluator = workflow.parser.get_parsed_content("evaluator")
+    evaluator.add_event_handler(Events.ITERATION_COMPLETED, lambda _: states.append(process_state()))
+    before = process_state()
+    workflow.run()
+    workflow.finalize()
+    workers = workflow.parser.get_parsed_content("dataloader").num_workers
+    del workflow, evaluator  # the run is over: what it made (its compiled model, its workers) goes with it
+    gc.collect()
+    report = json.loads((out / "out" / "inference_report.json").read_text())
+    return {"workers": workers, "before": before, "cases": states, "after": process_state(),
+            "done": report["num_done"], "failed": report["num_failed"],
+            "files": [str(out / "out" / n / f"{n}_seg.nii.gz") for n in names]}  # fmt: skip
 
 
 def import_only(distributions: set[str]) -> None:
@@ -604,4 +776,6 @@ def start_up_imports(work: Path) -> int:
 if __name__ == "__main__":
     if sys.argv[1] == "--start-up-imports":
         sys.exit(start_up_imports(Path(sys.argv[2])))
+    if sys.argv[1] == "--train":
+        sys.exit(train_monai_label(Path(sys.argv[2])))
     sys.exit(run_monai_label(Path(sys.argv[1])))
