@@ -10,7 +10,7 @@ whole input would have needed, the seconds spent finding the region and predicti
 out-of-memory error the case is run again once with the windows on the accelerator (``sw_device``) and the output
 stitched in CPU memory. ``force_oom=N`` makes the first N cases run out of memory on purpose, so that a run proves the
 fallback on a real device (``benchmarks/gpu_proof.py`` passes ``--sliding_window_inferer#force_oom 1``).
-:class:`RuntimeSlidingWindowInferer` is inference.yaml's ``inferer`` where the bundle's Python is importable: MONAI's
+:class:`RuntimeSlidingWindowInferer` is inference.yaml's ``inferer`` where the bundle's Python is importable: the same
 sliding window over the PyTorch network it is handed (MONAI Label hands it its own ``network_def`` with
 ``models/model.pt``), run on a CPU by the bundle's CPU runtime, through the export cache ``monai.bundle run inference``
 uses (:class:`scripts.backends.WeightsRuntime`).
@@ -150,22 +150,19 @@ class FallbackSlidingWindowInferer(SlidingWindowInferer):
         return record
 
 
-class RuntimeSlidingWindowInferer(SlidingWindowInferer):
-    """MONAI's sliding window over the network it is handed, which on a CPU runs in the bundle's CPU runtime.
+class RuntimeSlidingWindowInferer(FallbackSlidingWindowInferer):
+    """:class:`FallbackSlidingWindowInferer` over the network it is handed, which on a CPU runs in the bundle's CPU
+    runtime.
 
     ``backend`` and ``precision`` are the settings ``inference_backend`` and ``cpu_precision``, resolved as the
     bundle's inference resolves them (:func:`scripts.backends.resolve`, :func:`scripts.backends.resolve_precision`)
     on the device of the network of each call: on a CPU with a CPU runtime in force, the network's weights are run by
     that runtime (:class:`scripts.backends.WeightsRuntime`: exported and compiled for new weights, cached beside
     ``weights`` or in ``cache_dir``, the same compiled model while the weights stay); elsewhere (a GPU,
-    ``inference_backend: torch``, a TorchScript module such as MONAI Deploy's ``model.ts``) the network itself, exactly
-    as MONAI's ``SlidingWindowInferer``."""
+    ``inference_backend: torch``, a TorchScript module such as MONAI Deploy's ``model.ts``) the network itself."""
 
     def __init__(
         self,
-        roi_size: Sequence[int],
-        sw_batch_size: int = 1,
-        overlap: float = 0.25,
         *args: Any,
         backend: str = "auto",
         precision: str = "auto",
@@ -174,7 +171,7 @@ class RuntimeSlidingWindowInferer(SlidingWindowInferer):
         threads: int | None = None,
         **kwargs: Any,
     ) -> None:
-        super().__init__(roi_size, sw_batch_size, overlap, *args, **kwargs)
+        super().__init__(*args, **kwargs)
         self.backend, self.precision, self.weights = backend, precision, weights
         self.cache_dir, self.threads = cache_dir, threads
         self.runtime: WeightsRuntime | None = None
