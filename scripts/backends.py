@@ -39,10 +39,12 @@ import gc
 import hashlib
 import json
 import logging
+import os
 import shutil
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -378,6 +380,7 @@ class OpenVinoNetwork(torch.nn.Module):
         # objects -- each network made and dropped stayed in memory with its streams' threads (~260 MB and 3 threads
         # for f12 bf16 on 2 cores)
         self.queue.set_callback(_store_logits)
+        _OPENVINO_NETWORKS.add(self)  # a forked child never destroys it (_keep_inherited_openvino)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         array = torch.as_tensor(x).detach().to("cpu", torch.float32).numpy()
@@ -390,6 +393,24 @@ class OpenVinoNetwork(torch.nn.Module):
     def extra_repr(self) -> str:
         return (f"model_file={self.model_file}, threads={self.threads}, streams={self.streams}, "
                 f"precision={self.precision}")  # fmt: skip
+
+
+#: the OpenVINO networks alive in this process, for :func:`_keep_inherited_openvino`
+_OPENVINO_NETWORKS: weakref.WeakSet = weakref.WeakSet()
+
+
+def _keep_inherited_openvino() -> None:
+    """In a child forked from this process (a DataLoader worker): the OpenVINO objects of every network it inherited
+    are never destroyed there. OpenVINO's destructor waits for its streams' threads, which a forked child does not
+    have: a child that dropped an inherited network (or collected garbage holding one, or ended as a Python program
+    ends) waited forever. One reference more, never given back, keeps them; the child's memory is its own copy."""
+    for network in list(_OPENVINO_NETWORKS):
+        for part in (network.queue, network.compiled):
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(part))
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_keep_inherited_openvino)
 
 
 def _store_logits(request: Any, userdata: tuple[list, int]) -> None:
