@@ -1,7 +1,9 @@
 """Benchmark of CPU inference: the same case through ``configs/inference.yaml`` as shipped, run by PyTorch, ONNX
 Runtime and OpenVINO in f32 and bf16 (``inference_backend``, ``cpu_precision``), with the windows over the thorax only
 (``roi_region: thorax``, the default) and over the whole body crop (``roi_region: body``, 0.5.1's behaviour), side by
-side.
+side; and the same case asked of MONAI Label 0.8.5's ``monaibundle`` app with the bundle copied in (``--backends
+monailabel``: its settings as shipped, OpenVINO in bf16 where native; ``monailabel-f32``, ``monailabel-torch``: that
+precision, PyTorch), as 3D Slicer asks it, ``--requests`` times in one process.
 
 The shipped network (SwinUNETR feature size 48, random weights: time does not depend on their values) and the
 shipped window settings (96^3 windows, sw_batch_size 4, overlap 0.25, 1 x 1 x 3 mm) on synthetic CTs written as
@@ -15,13 +17,17 @@ label map is written::
 
     python -m benchmarks.bench_inference [--cases small,chest] [--backends torch,onnxruntime,openvino-f32,openvino-bf16]
                                          [--regions body,thorax] [--threads N] [--output_dir DIR] [--json_out FILE]
+                                         [--requests 3]   (MONAI Label's rows: --backends openvino-bf16,monailabel)
 
 Per case, backend and region: seconds for the whole case and per stage (read, preprocess, region, predict,
 postprocess, write: inference_report.json's), seconds in the network (its forward passes, timed by hooks), the windows
 run, GFLOP/s (the network's floating-point work per window counted by torch's FlopCounterMode, times the windows, over
 the network seconds), peak RSS, and the time relative to the body crop's with the same backend and to torch's; then
-how many voxels of the label maps agree (every run of a case against its first), and whether the thorax region holds
-the tumour where the phantom put it.
+how many voxels of the label maps agree (every run of a case against its first, and each MONAI Label row against the
+bundle's row of its runtime and precision), and whether the thorax region holds the tumour where the phantom put it.
+MONAI Label's rows: the seconds of its last ``--requests - 1`` requests' median (its own latencies: reading is in
+preprocess), the first request's extra seconds (the export and compilation into the copied bundle's models/, unless
+cached) as the network's set-up.
 """
 
 from __future__ import annotations
@@ -57,6 +63,7 @@ def main(
     spacing: Sequence[float] | None = None,
     output_dir: str | None = None,
     json_out: str | None = None,
+    requests: int = 3,
 ) -> dict[str, Any]:
     """Write the cases and the weights, run every case with every backend and region in a child process, print a
     table. ``feature_size``, ``roi_size`` and ``spacing`` other than the shipped ones are for a quick check only."""
@@ -76,7 +83,10 @@ def main(
             for backend in backends:
                 for region in regions:
                     out = folder / "out" / f"{case}_{backend}_{region}"
-                    row = _child(inputs, out, weights, backend, threads, {**network, "roi_region": region})
+                    settings = {**network, "roi_region": region}
+                    if backend.startswith("monailabel"):
+                        settings["requests"] = int(requests)
+                    row = _child(inputs, out, weights, backend, threads, settings)
                     row.update(case=case, shape="x".join(map(str, CASES[case][0])), backend=backend, region=region)
                     row["gflop_per_s"] = round(report["gflop_per_window"] * row["windows"] / row["network_s"], 1)
                     row["holds_tumour"] = _holds(row.get("box_lps_mm"), truth)
@@ -84,6 +94,7 @@ def main(
                     runs.append((out, backend, region))
             box = next((r["box_lps_mm"] for r in report["rows"] if r["case"] == case and r["region"] == "thorax"), None)
             report.setdefault("agreement", {})[case] = _agreement(runs, box)
+            _monai_label_agreement([r for r in report["rows"] if r["case"] == case], folder / "out")
         _relative(report["rows"])
         print(format_report(report))
         if json_out:
@@ -170,7 +181,8 @@ def _child(inputs: Path, out: Path, weights: Path, backend: str, threads: int | 
 
 def infer(inputs: str, out: str, weights: str, backend: str, threads: str = "", network: str = "{}") -> None:
     """(Child process) configs/inference.yaml alone on ``inputs`` with ``backend`` (``openvino-bf16``: OpenVINO in
-    that precision); prints one JSON line with the times."""
+    that precision; ``monailabel...``: :func:`monai_label_case`, asked ``network["requests"]`` times); prints one JSON
+    line with the times."""
     from monai.bundle import ConfigWorkflow
     from scripts.backends import prepare
 
@@ -178,6 +190,12 @@ def infer(inputs: str, out: str, weights: str, backend: str, threads: str = "", 
     backend, _, precision = backend.partition("-")
     settings["cpu_precision"] = precision or "auto"
     settings.update(json.loads(network) if isinstance(network, str) else network)
+    if backend == "monailabel":
+        if precision == "torch":
+            settings.update(inference_backend="torch", cpu_precision="auto")
+        requests = int(settings.pop("requests", 3))
+        print(json.dumps(monai_label_case(Path(inputs), Path(out), Path(weights), settings, requests)))
+        return
     workflow = ConfigWorkflow(config_file=str(ROOT / "configs" / "inference.yaml"), workflow_type=None,
                               bundle_root=str(ROOT), input_dir=inputs, output_dir=out, model_path=weights,
                               inference_backend=backend, num_workers=0, write_dicom_seg=False, write_rtstruct=False,
@@ -207,6 +225,85 @@ def infer(inputs: str, out: str, weights: str, backend: str, threads: str = "", 
                       "box_lps_mm": region.get("box_lps_mm"), "stage_seconds": case.get("stage_seconds", {}),
                       "network_setup_s": round(setup, 1),
                       "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)}))  # fmt: skip
+
+
+def monai_label_case(inputs: Path, out: Path, weights: Path, settings: dict, requests: int = 3) -> dict[str, Any]:
+    """(Child process) MONAI Label 0.8.5's app (``monailabel apps --download --name monaibundle``) with the bundle
+    copied in under ``out`` (its configs with ``settings``, ``weights`` as its models/model.pt), asked ``requests``
+    times for the case's series as 3D Slicer asks (model, image, device cpu), in this process: the first request
+    exports and compiles into the copy's models/ (a new folder: nothing cached), the others reuse it. The label map of
+    the last request goes where :func:`infer` writes it (``out/P1/P1_seg.nii.gz``)."""
+    import argparse
+    import statistics
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from test_monailabel import NAME, copy_bundle, monai_label_workarounds, server_app
+
+    monai_label_workarounds()
+    from monailabel.main import Main
+
+    series = next(inputs.glob("**/image"))
+    work = out / "monailabel"
+    (work / "studies").mkdir(parents=True)
+    Main().action_apps(argparse.Namespace(download=True, name="monaibundle", output=str(work / "apps"), prefix=None))
+    copy_bundle(work / "apps" / "monaibundle" / "model" / NAME, work / "no-dicom", settings, weights)
+    app = server_app(work)
+    task = app._infers[NAME]
+    inferer = task.bundle_config.get_parsed_content("inferer")  # the instance MONAI Label calls (parsed once)
+    forward: list[float] = []
+    windows: list[int] = []
+    runs = inferer.network_for
+
+    def timed(network):  # the network's forward passes, timed as infer's hooks time them
+        runtime = runs(network)
+
+        def run(x):
+            start = time.perf_counter()
+            logits = runtime(x)
+            forward.append(time.perf_counter() - start)
+            windows.append(x.shape[0])
+            return logits
+
+        return run
+
+    inferer.network_for = timed
+    answers = []
+    for _ in range(requests):
+        forward.clear()
+        windows.clear()
+        start = time.perf_counter()
+        answer = app.infer({"model": NAME, "image": str(series), "device": "cpu", "result_extension": ".nii.gz"})
+        answers.append({"s": time.perf_counter() - start, "network_s": sum(forward), "windows": sum(windows),
+                        "latencies": answer["params"]["latencies"], "file": answer["file"]})  # fmt: skip
+    (out / "P1").mkdir(parents=True, exist_ok=True)
+    shutil.move(answers[-1]["file"], out / "P1" / "P1_seg.nii.gz")
+    warm = answers[1:] or answers
+    median = statistics.median(a["s"] for a in warm)
+    latencies = min(warm, key=lambda a: abs(a["s"] - median))["latencies"]
+    runtime = inferer.runtime
+    return {"s_per_case": round(median, 1), "network_s": round(statistics.median(a["network_s"] for a in warm), 1),
+            "windows": warm[0]["windows"], "windows_whole_input": inferer.last.get("windows_whole_input"),
+            "method": inferer.last.get("method"), "box_lps_mm": inferer.last.get("box_lps_mm"),
+            "network_setup_s": round(answers[0]["s"] - median, 1),
+            "first_request_s": round(answers[0]["s"], 1), "requests_s": [round(a["s"], 1) for a in answers],
+            "stage_seconds": {"preprocess": latencies["pre"], "predict": latencies["infer"],
+                              "postprocess": latencies["invert"] + latencies["post"], "write": latencies["write"]},
+            "runtime": f"{runtime.backend}-{runtime.precision}" if runtime else "torch",
+            "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)}  # fmt: skip
+
+
+def _monai_label_agreement(rows: list[dict], out: Path) -> None:
+    """Each MONAI Label row's share of voxels equal to the bundle's row of the same runtime and region, if run."""
+    import nibabel as nib
+    import numpy as np
+
+    for row in rows:
+        same = next((r for r in rows if r["backend"] == row.get("runtime") and r["region"] == row["region"]), None)
+        if not row["backend"].startswith("monailabel") or same is None:
+            continue
+        maps = [np.asarray(nib.load(out / f"{row['case']}_{r['backend']}_{r['region']}" / "P1" / "P1_seg.nii.gz")
+                           .dataobj) for r in (row, same)]  # fmt: skip
+        row["same_as_bundle"] = {same["backend"]: round(float((maps[0] == maps[1]).mean()), 6)}
 
 
 def _agreement(runs: list[tuple[Path, str, str]], box: list | None) -> dict[str, float | None]:
@@ -265,6 +362,11 @@ def format_report(report: dict[str, Any]) -> str:
                 f"{case}: thorax and body label maps agree on {100 * agreement['regions_in_box']:.3f} % of the "
                 "voxels inside the thorax box (outside it the thorax run is background)"
             )
+    for r in report["rows"]:
+        if r.get("first_request_s") is not None:
+            lines.append(f"{r['case']}: MONAI Label ({r['runtime']}) requests took {r['requests_s']} s (the first "
+                         f"exports and compiles unless cached); label map equal to the bundle's "
+                         f"{r.get('same_as_bundle', 'not run')}")  # fmt: skip
     setup = [f"{r['backend']} {r['case']} {r['region']}: {r['network_setup_s']} s" for r in report["rows"]]
     lines.append(
         "network set-up (weights loaded; CPU runtimes: exported and compiled when not cached): " + ", ".join(setup)
