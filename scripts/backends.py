@@ -44,7 +44,6 @@ import shutil
 import threading
 import time
 import warnings
-import weakref
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -380,7 +379,24 @@ class OpenVinoNetwork(torch.nn.Module):
         # objects -- each network made and dropped stayed in memory with its streams' threads (~260 MB and 3 threads
         # for f12 bf16 on 2 cores)
         self.queue.set_callback(_store_logits)
-        _OPENVINO_NETWORKS.add(self)  # a forked child never destroys it (_keep_inherited_openvino)
+        # OpenVINO's objects are destroyed only by release(), never when this module is dropped (_KEPT says why), and
+        # never in a forked child (_keep_inherited_openvino)
+        self._kept = (self.queue, self.compiled, _FORKS[0])
+        _KEPT[id(self._kept)] = self._kept
+
+    def release(self) -> bool:
+        """Destroy OpenVINO's objects now (a server replacing the weights it serves), unless this process has forked
+        since they were made: then they stay for the life of the process (:data:`_KEPT`). True if destroyed."""
+        queue, _, forks = self._kept
+        if forks != _FORKS[0]:
+            logger.info("OpenVINO's compiled model %s kept: this process has forked since it was made", self.model_file)
+            return False
+        queue.wait_all()
+        del _KEPT[id(self._kept)]
+        self.__dict__.pop("queue", None)
+        self.__dict__.pop("compiled", None)
+        self._kept = (None, None, forks)
+        return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         array = torch.as_tensor(x).detach().to("cpu", torch.float32).numpy()
@@ -395,22 +411,34 @@ class OpenVinoNetwork(torch.nn.Module):
                 f"precision={self.precision}")  # fmt: skip
 
 
-#: the OpenVINO networks alive in this process, for :func:`_keep_inherited_openvino`
-_OPENVINO_NETWORKS: weakref.WeakSet = weakref.WeakSet()
+#: every network's OpenVINO objects (infer queue, compiled model, this process's fork count when made), kept for the
+#: life of the process unless :meth:`OpenVinoNetwork.release` destroys them. OpenVINO 2026.4 corrupts the heap of a
+#: process that destroys compiled models after a fork (a DataLoader worker) made while two or more were alive: the
+#: next subprocess that process starts dies with SIGSEGV (reproduced in tests/test_backends.py; it killed pytest
+#: workers "without a trace"). So a network dropped by a run is not destroyed (as before 0.11, when a reference cycle
+#: kept every network), and a server that replaces its weights releases the old network, which is destroyed only if
+#: the process has not forked since it was made.
+_KEPT: dict[int, tuple] = {}
+_FORKS = [0]  # fork() calls of this process (os.register_at_fork's "before" hook, in the parent)
+
+
+def _count_fork() -> None:
+    _FORKS[0] += 1
 
 
 def _keep_inherited_openvino() -> None:
-    """In a child forked from this process (a DataLoader worker): the OpenVINO objects of every network it inherited
-    are never destroyed there. OpenVINO's destructor waits for its streams' threads, which a forked child does not
-    have: a child that dropped an inherited network (or collected garbage holding one, or ended as a Python program
-    ends) waited forever. One reference more, never given back, keeps them; the child's memory is its own copy."""
-    for network in list(_OPENVINO_NETWORKS):
-        for part in (network.queue, network.compiled):
-            ctypes.pythonapi.Py_IncRef(ctypes.py_object(part))
+    """In a child forked from this process (a DataLoader worker): the OpenVINO objects it inherited are never destroyed
+    there. OpenVINO's destructor waits for its streams' threads, which a forked child does not have: a child that
+    destroyed an inherited network (or ended as a Python program ends, clearing :data:`_KEPT`) waited forever. One
+    reference more, never given back, keeps them; the child's memory is its own copy."""
+    for queue, compiled, _ in list(_KEPT.values()):
+        for part in (queue, compiled):
+            if part is not None:
+                ctypes.pythonapi.Py_IncRef(ctypes.py_object(part))
 
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_keep_inherited_openvino)
+    os.register_at_fork(before=_count_fork, after_in_child=_keep_inherited_openvino)
 
 
 def _store_logits(request: Any, userdata: tuple[list, int]) -> None:
@@ -479,7 +507,9 @@ class WeightsRuntime:
                 logger.info("%s %s: the weights (sha256 %s, hashed in %.2f s) are those it runs already",
                             self.backend, self.precision, digest[:16], hashed)  # fmt: skip
                 return self.network
-            self.network = self.digest = None  # the old weights' compiled model goes before the new one is made
+            if isinstance(self.network, OpenVinoNetwork):  # the old weights' compiled model goes before the new one
+                self.network.release()
+            self.network = self.digest = None
             model_file = onnx_file(network, self.weights, self.window, self.cache_dir, digest)
             if self.backend == "openvino":
                 self.network = OpenVinoNetwork(model_file, self.threads, self.precision)

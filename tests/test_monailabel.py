@@ -484,7 +484,8 @@ def test_an_inference_run_of_many_cases_with_forked_workers_after_the_runtime_st
     """``monai.bundle run inference`` on REQUESTS cases in the server's process, whose OpenVINO threads run already,
     with the config's DataLoader workers forked from it: every case is done and gives the same label map, the
     process's memory after the last case within 10 % of the third's and its threads the same after each case; once
-    the run is dropped, its threads are those it had before (its compiled model is freed) and no worker is left."""
+    the run is dropped, no worker is left and no thread more than during it (its compiled model is kept: destroyed
+    after its process forked, it would corrupt the heap; scripts.backends._KEPT)."""
     import nibabel as nib
 
     _, result = monai_label
@@ -498,7 +499,7 @@ def test_an_inference_run_of_many_cases_with_forked_workers_after_the_runtime_st
     assert rss[-1] <= 1.10 * rss[2], f"RSS (MB) after each case: {rss}"
     assert any(case["children"] for case in run["cases"]), "the workers ran while the cases did"
     assert len({case["threads"] for case in run["cases"]}) == 1, "no thread more per case"
-    assert not run["after"]["children"] and run["after"]["threads"] == run["before"]["threads"], "nothing left"
+    assert not run["after"]["children"] and run["after"]["threads"] <= run["cases"][-1]["threads"], "nothing left"
 
 
 @needs_monailabel
