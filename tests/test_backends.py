@@ -305,17 +305,19 @@ def test_a_released_openvino_network_is_freed_with_its_threads_and_a_dropped_one
     network, weights = saved(small_network(0), tmp_path / "model.pt")
     model_file = onnx_file(network, weights, WINDOW)
     x = torch.rand(2, 1, *WINDOW)
-    OpenVinoNetwork(model_file, threads=2, precision="f32")(x)  # the plugin's own threads start once
-    threads = len(os.listdir("/proc/self/task"))
-    for _ in range(3):
+    threads = []
+    for _ in range(4):
         compiled = OpenVinoNetwork(model_file, threads=2, precision="f32")
         compiled(x)
         alive, key = weakref.ref(compiled), id(compiled._kept)
         assert compiled.release(), "no fork since it was made: destroyed"
         del compiled
         assert alive() is None and key not in _KEPT, "freed when released, without waiting for the collector"
-    gc.collect()
-    assert len(os.listdir("/proc/self/task")) <= threads
+        gc.collect()
+        threads.append(len(os.listdir("/proc/self/task")))
+    # the first set of weights starts the plugin's own threads (and, in a worker that ran other networks, TBB may
+    # size its pool then); after it, each new set leaves none behind
+    assert threads[-1] <= threads[1], f"threads after each released network: {threads}"
     dropped = OpenVinoNetwork(model_file, threads=2, precision="f32")
     key = id(dropped._kept)
     del dropped
