@@ -14,10 +14,14 @@ the logits a network gives on it, for each of ``--masks``:
 
 Everything else is the shipped pipeline: the reading, the preprocessing, the region, the post-processing (softmax,
 inversion onto the CT's grid, argmax, largest component) and every writer. So the table is what a case costs besides
-its network, stage by stage and transform by transform, in seconds, a row per mask::
+its network, stage by stage, transform by transform and output by output (:attr:`scripts.outputs.SaveCased.
+last_seconds`: each output's own seconds, which overlap when the writers run side by side), a row per mask::
 
     python -m benchmarks.bench_outputs [--slices 100] [--pathology none] [--repeats 3] [--masks tumour,thorax]
-                                       [--output_dir DIR]
+                                       [--outputs all] [--output_dir DIR]
+
+``--outputs all``: every writer ``configs/inference.yaml`` turns on by default; ``--outputs kit``: the NIfTI and the
+DICOM SEG alone, what the GPU kit's full-CT inference writes (``benchmarks/gpu_proof.py``).
 
 Each repeat runs the case again in the same process (the first pays Python's and the libraries' first calls, and is
 reported apart). It also checks what was written: the tumour's volume against the phantom's analytic one, and that
@@ -48,6 +52,8 @@ BLOB_RADIUS_MM, BLOB_OFFSET_MM = 5.0, (0.0, 0.0, 30.0)
 #: the thorax mask: tumour where the CT is above this (HU), but for vessels every VESSEL_PERIOD_MM (about 2 mm across)
 BODY_HU, VESSEL_PERIOD_MM = -500.0, 5.0
 MASKS = ("tumour", "thorax")
+#: the writers' switches of each ``--outputs`` choice (``kit``: as benchmarks.gpu_proof's ``_inference`` sets them)
+OUTPUTS = {"all": {}, "kit": {"write_rtstruct": False, "write_sr": False, "write_report": False}}
 
 
 class OracleInferer(FallbackSlidingWindowInferer):
@@ -107,22 +113,25 @@ def main(
     output_dir: str | None = None,
     profile: bool = False,
     masks: str | tuple = MASKS,
+    outputs: str = "all",
 ) -> dict:
     """Write the case, run it ``repeats`` + 1 times for each of ``masks``, print the seconds per stage and per
     transform (``profile``: and cProfile's 40 costliest calls of each mask's last run)."""
     from scripts.synthetic import write_chest_case
 
     masks = tuple(m.strip() for m in masks.split(",")) if isinstance(masks, str) else tuple(masks)
+    if outputs not in OUTPUTS:
+        raise ValueError(f"outputs={outputs!r}: choose among {sorted(OUTPUTS)}.")
     folder = Path(output_dir) if output_dir else Path(tempfile.mkdtemp(prefix="bench_outputs_"))
     try:
         truth = write_chest_case(folder / "in", "P1", (512, 512, int(slices)), pathology=pathology, seed=3)
         weights = _weights(folder / "models" / "model.pt")
         results = {}
         for mask in masks:
-            runs = [_run(folder, weights, truth, mask, f"{mask}-{r}", profile and r == repeats)
+            runs = [_run(folder, weights, truth, mask, f"{mask}-{r}", profile and r == repeats, OUTPUTS[outputs])
                     for r in range(int(repeats) + 1)]  # fmt: skip
             results[mask] = _summary(runs, truth)
-        result = {"slices": int(slices), "masks": results}
+        result = {"slices": int(slices), "outputs": outputs, "masks": results}
         print(format_result(result))
         return result
     finally:
@@ -130,7 +139,7 @@ def main(
             shutil.rmtree(folder, ignore_errors=True)
 
 
-def _run(folder: Path, weights: Path, truth: dict, mask: str, name: str, profile: bool) -> dict:
+def _run(folder: Path, weights: Path, truth: dict, mask: str, name: str, profile: bool, writers: dict) -> dict:
     """One run of the case through ``configs/inference.yaml`` with the oracle for ``mask``: its seconds, stages and
     transforms, the tumour it wrote and its flags."""
     from monai.bundle import ConfigWorkflow
@@ -139,13 +148,14 @@ def _run(folder: Path, weights: Path, truth: dict, mask: str, name: str, profile
     workflow = ConfigWorkflow(config_file=str(ROOT / "configs" / "inference.yaml"), workflow_type=None,
                               bundle_root=str(ROOT), input_dir=str(folder / "in"), output_dir=str(out),
                               model_path=str(weights), inference_backend="torch", num_workers=0,
-                              feature_size=12)  # fmt: skip
+                              feature_size=12, **writers)  # fmt: skip
     workflow.initialize()
     parser = workflow.parser
     settings = dict(parser["sliding_window_inferer"])  # the shipped inferer's settings, resolved below
     kwargs = {k: parser.get_parsed_content(f"sliding_window_inferer#{k}") for k in settings if k != "_target_"}
     parser["sliding_window_inferer"] = OracleInferer(truth, mask, **kwargs)
     transforms = _timed(parser)
+    save_case = parser.get_parsed_content("save_case")  # the writer the evaluator's post-processing ends with
     profiler = cProfile.Profile() if profile else None
     start = time.perf_counter()
     with profiler or contextlib.nullcontext():
@@ -157,9 +167,11 @@ def _run(folder: Path, weights: Path, truth: dict, mask: str, name: str, profile
     (case,) = json.loads((out / "inference_report.json").read_text())["cases"]
     if case.get("status") != "done":
         raise RuntimeError(f"the case failed: {case}")
+    tumour_ml = _tumour_ml(out)
     shutil.rmtree(out / "P1", ignore_errors=True)  # a thorax's RTSTRUCT is ~100 MB: keep the disk to one run's
     return {"total_s": total, "stages": case["stage_seconds"], "transforms": dict(transforms),
-            "tumour_ml": _tumour_ml(out / "report.csv"), "flags": case.get("flags", [])}  # fmt: skip
+            "outputs": dict(save_case.last_seconds), "tumour_ml": tumour_ml,
+            "flags": case.get("flags", [])}  # fmt: skip
 
 
 def _weights(path: Path) -> Path:
@@ -199,9 +211,16 @@ class _Timed:
             self._seconds[self._name] = self._seconds.get(self._name, 0.0) + time.perf_counter() - clock
 
 
-def _tumour_ml(report_csv: Path) -> float:
-    (row,) = [r for r in csv.DictReader(report_csv.open()) if r["structure"] == "GTV-1"]
-    return round(float(row["volume_ml"]), 2)
+def _tumour_ml(out: Path) -> float:
+    """The tumour's volume the run wrote: its report's, or without one (``--outputs kit``) its NIfTI's."""
+    if (out / "report.csv").is_file():
+        (row,) = [r for r in csv.DictReader((out / "report.csv").open()) if r["structure"] == "GTV-1"]
+        return round(float(row["volume_ml"]), 2)
+    import nibabel as nib
+    from scripts.geometry import voxel_volume_ml
+
+    image = nib.load(out / "P1" / "P1_seg.nii.gz")
+    return round(float(np.count_nonzero(np.asarray(image.dataobj) == 1)) * voxel_volume_ml(image.affine), 2)
 
 
 def _summary(runs: list[dict], truth: dict) -> dict:
@@ -209,11 +228,13 @@ def _summary(runs: list[dict], truth: dict) -> dict:
     warm = runs[1:] or runs
     stages = sorted({k for r in runs for k in r["stages"]})
     names = list(dict.fromkeys(k for r in runs for k in r["transforms"]))
+    outputs = list(dict.fromkeys(k for r in runs for k in r.get("outputs", {})))
     radii = np.asarray(truth["tumour_radii_mm"], float)
     return {"repeats": len(warm), "first_total_s": round(runs[0]["total_s"], 2),
             "total_s": round(statistics.median(r["total_s"] for r in warm), 2),
             "stages": {k: round(statistics.median(r["stages"].get(k, 0.0) for r in warm), 2) for k in stages},
             "transforms": {k: round(statistics.median(r["transforms"].get(k, 0.0) for r in warm), 2) for k in names},
+            "outputs": {k: round(statistics.median(r["outputs"].get(k, 0.0) for r in warm), 3) for k in outputs},
             "tumour_ml": warm[-1]["tumour_ml"], "analytic_tumour_ml": round(4 / 3 * np.pi * radii.prod() / 1000, 2),
             "postprocess_and_write_s": round(statistics.median(_around(r) for r in warm), 2),
             "flags": warm[-1]["flags"]}  # fmt: skip
@@ -227,7 +248,8 @@ def _around(run: dict) -> float:
 def format_result(result: dict) -> str:
     """A row per mask (the seconds after the network: post-processing, and writing the report and every output), then
     each mask's stages and post-processing transforms."""
-    lines = [f"seconds per case, a 512 x 512 x {result['slices']} chest CT, every output on (median of the warm runs):",
+    which = "every output on" if result.get("outputs", "all") == "all" else "the GPU kit's outputs (NIfTI, SEG)"
+    lines = [f"seconds per case, a 512 x 512 x {result['slices']} chest CT, {which} (median of the warm runs):",
              "| mask | written | flagged | postprocess | write (report + every output) | postprocess + write | total |",
              "|---|---|---|---|---|---|---|"]  # fmt: skip
     for mask, r in result["masks"].items():
@@ -241,6 +263,9 @@ def format_result(result: dict) -> str:
         lines += [f"| {k} | {v:.2f} |" for k, v in r["stages"].items()]
         lines += ["", "| post-processing transform | s |", "|---|---|"]
         lines += [f"| {k} | {v:.2f} |" for k, v in r["transforms"].items()]
+        if r.get("outputs"):
+            lines += ["", "| write stage, per output (SaveCased.last_seconds) | s |", "|---|---|"]
+            lines += [f"| {k} | {v:.3f} |" for k, v in r["outputs"].items()]
         if mask == "tumour":
             lines.append(f"tumour: {r['tumour_ml']} ml written, {r['analytic_tumour_ml']} ml analytic")
         for flag in r["flags"]:

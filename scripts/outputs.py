@@ -28,12 +28,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import shutil
 import time
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Hashable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -93,6 +94,9 @@ class SaveCased(MapTransform):
         self.plausible = dict(plausible) if plausible else None
         self.inferer = inferer  # its ``last["box_lps_mm"]``: where the network ran on the case just predicted
         self.algorithm = algorithm_identification(algorithm_version)
+        #: the last case's seconds per output (``labels``, ``nifti``, ``ct``, ``report``, ``picture``, ``dicom_seg``,
+        #: ``rtstruct``, ``sr``, ``move``), for python -m benchmarks.bench_outputs
+        self.last_seconds: dict[str, float] = {}
         if self.models:  # which weights (and TTA, post-processing) made the segmentation, as DICOM records it
             self.algorithm[0].AlgorithmParameters = ",".join(f"{k}={v}" for k, v in self.models.items())
 
@@ -101,13 +105,15 @@ class SaveCased(MapTransform):
         if not self.enabled:
             return d
         case_id = str(d["case_id"])
+        self.last_seconds = {}
         staging = self.output_dir / f".partial-{os.getpid()}-{case_id[:100]}"
         shutil.rmtree(staging, ignore_errors=True)
         try:
             outputs = {}
             for key in self.key_iterator(d):
                 outputs[key] = self._write(d, d[key], case_id, staging)
-            _move_into_place(staging, self.output_dir / case_id)
+            with _timed(self.last_seconds, "move"):
+                _move_into_place(staging, self.output_dir / case_id)
         except Exception as err:
             raise CaseOutputError(f"{case_id}: writing its outputs to {self.output_dir} failed ({err})") from err
         finally:
@@ -121,13 +127,17 @@ class SaveCased(MapTransform):
         return d
 
     def _write(self, d: dict, tensor, case_id: str, folder: Path) -> tuple[dict[str, str], dict | None, list[dict]]:
-        labels = np.asarray(tensor.detach().cpu()).reshape(tensor.shape[-3:]).astype(np.uint8)
+        seconds = self.last_seconds
+        with _timed(seconds, "labels"):
+            labels = np.asarray(tensor.detach().cpu()).reshape(tensor.shape[-3:]).astype(np.uint8)
         affine = np.asarray(tensor.meta.get("original_affine", tensor.affine), dtype=float)
-        files = {"nifti": str(save_nifti(folder / f"{case_id}_seg.nii.gz", labels, affine))}
+        with _timed(seconds, "nifti"):
+            files = {"nifti": str(save_nifti(folder / f"{case_id}_seg.nii.gz", labels, affine))}
         dicom = d.get("source") == "dicom"
         series = d.get("slice_paths") or d.get("source_path")  # the CT series' files (discovery), or its folder
         slices = slice_map_of(tensor.meta) if dicom and hasattr(tensor, "meta") else None
-        on_slices = labels if slices is None else slices.to_slices(labels)  # the series' own slices, for SEG/RTSTRUCT
+        with _timed(seconds, "labels"):
+            on_slices = labels if slices is None else slices.to_slices(labels)  # the series' slices, for SEG/RTSTRUCT
         if slices is not None:
             logger.info("%s: labels mapped from the resampled %s grid back onto the %d original slices", case_id,
                         "x".join(map(str, labels.shape)), on_slices.shape[2])  # fmt: skip
@@ -135,18 +145,23 @@ class SaveCased(MapTransform):
             self._report(d, labels, affine, case_id, folder, files, slices) if self.write_report else (None, None, [])
         )
         if dicom and (self.write_seg or self.write_rtstruct or (self.write_sr and report is not None)):
-            series = ct.scanned if ct is not None else scan_ct_series(series, resample=True)  # headers read once
+            with _timed(seconds, "ct"):
+                series = ct.scanned if ct is not None else scan_ct_series(series, resample=True)  # headers read once
         if dicom and self.write_seg:
             files["dicom_seg"] = str(folder / f"{case_id}_seg.dcm")
-            write_dicom_seg(on_slices, series, self.labels, files["dicom_seg"], self.algorithm)
+            with _timed(seconds, "dicom_seg"):
+                write_dicom_seg(on_slices, series, self.labels, files["dicom_seg"], self.algorithm)
         if dicom and self.write_rtstruct:
             files["rtstruct"] = str(folder / f"{case_id}_rtstruct.dcm")
-            write_rtstruct(on_slices, series, self.labels, files["rtstruct"], self.version)
+            with _timed(seconds, "rtstruct"):
+                write_rtstruct(on_slices, series, self.labels, files["rtstruct"], self.version)
         if dicom and self.write_sr and report is not None:
             files["sr"] = str(folder / f"{case_id}_sr.dcm")
-            write_sr(report, series, files.get("dicom_seg"), files["sr"], self.version, flags)
+            with _timed(seconds, "sr"):
+                write_sr(report, series, files.get("dicom_seg"), files["sr"], self.version, flags)
         voxel_ml = voxel_volume_ml(affine)
-        counts = np.bincount(labels.ravel(), minlength=len(self.labels) + 1)
+        with _timed(seconds, "labels"):
+            counts = np.bincount(labels.ravel(), minlength=len(self.labels) + 1)
         volumes = {n: round(float(counts[i]) * voxel_ml, 3) for i, n in enumerate(self.labels, start=1)}
         logger.info("%s: %s, volumes (ml) %s", case_id, ", ".join(Path(f).name for f in files.values()), volumes)
         return files, report, flags
@@ -165,8 +180,12 @@ class SaveCased(MapTransform):
         on), as JSON and as a three-plane picture; a resampled series' notes say how, and where the DICOM labels are.
         Also the series read (its headers serve the DICOM writers), None for NIfTI, and what makes the tumour
         implausible (logged as a warning, in the report with what to check)."""
-        hu, notes, ct = original_ct(d.get("slice_paths") or d["source_path"], d.get("source", "dicom"), labels.shape)
-        report = tumour_report(labels, hu, affine, self.labels, region_on(self.inferer, affine, labels.shape))
+        seconds = self.last_seconds
+        with _timed(seconds, "ct"):
+            hu, notes, ct = original_ct(d.get("slice_paths") or d["source_path"], d.get("source", "dicom"),
+                                        labels.shape)  # fmt: skip
+        with _timed(seconds, "report"):
+            report = tumour_report(labels, hu, affine, self.labels, region_on(self.inferer, affine, labels.shape))
         flags = implausible(report, self.plausible) if self.plausible else []
         context = {"input": display_name(str(d["source_path"])), "model_version": self.version}
         if flags:
@@ -181,11 +200,23 @@ class SaveCased(MapTransform):
             context["notes"] = notes
         if self.models:
             context["models"] = self.models
-        files["report"] = str(write_report(report, case_id, folder, **context))
-        picture = render_planes(hu, labels, affine, title=f"{case_id}: {', '.join(self.labels)}")
-        files["picture"] = str(folder / f"{case_id}_report.png")
-        Path(files["picture"]).write_bytes(png_bytes(picture))
+        with _timed(seconds, "report"):
+            files["report"] = str(write_report(report, case_id, folder, **context))
+        with _timed(seconds, "picture"):
+            picture = render_planes(hu, labels, affine, title=f"{case_id}: {', '.join(self.labels)}")
+            files["picture"] = str(folder / f"{case_id}_report.png")
+            Path(files["picture"]).write_bytes(png_bytes(picture))
         return report, ct, flags
+
+
+@contextlib.contextmanager
+def _timed(seconds: dict[str, float], name: str) -> Iterator[None]:
+    """Add the seconds the block takes to ``seconds[name]``."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - start
 
 
 def region_on(inferer: Any, affine: np.ndarray, shape: Sequence[int]) -> tuple[np.ndarray, np.ndarray] | None:

@@ -33,3 +33,12 @@ def test_the_table_has_a_row_per_mask_saying_whether_it_was_flagged():
     assert "| tumour | 14.1 ml | no | 0.50 | 3.00 | 3.50 | 7.00 |" in lines
     assert "| thorax | 9504.4 ml | yes (1) | 0.50 | 3.00 | 3.50 | 7.00 |" in lines
     assert "flagged: GTV-1: big" in lines and "tumour: 14.1 ml written, 14.07 ml analytic" in lines
+
+
+def test_the_table_gives_the_write_stage_output_by_output_and_says_which_outputs_were_on():
+    run = {"repeats": 2, "first_total_s": 9.0, "total_s": 7.0, "stages": {"postprocess": 0.5, "write": 0.4},
+           "transforms": {}, "outputs": {"nifti": 0.03, "dicom_seg": 0.25}, "tumour_ml": 14.1,
+           "analytic_tumour_ml": 14.07, "postprocess_and_write_s": 0.9, "flags": []}  # fmt: skip
+    lines = format_result({"slices": 120, "outputs": "kit", "masks": {"tumour": run}}).splitlines()
+    assert "the GPU kit's outputs (NIfTI, SEG)" in lines[0]
+    assert "| nifti | 0.030 |" in lines and "| dicom_seg | 0.250 |" in lines
