@@ -89,6 +89,16 @@ def png_bytes(rgb: np.ndarray) -> bytes:
     return buffer.getvalue()
 
 
+def _centre(mask: np.ndarray) -> np.ndarray:
+    """The mean voxel index of ``mask``'s true voxels (``np.argwhere(mask).mean(0)``, the same floats: sums of whole
+    numbers are exact), from its projections on each axis, in any memory order; the grid's centre when it has none."""
+    count = int(np.count_nonzero(mask))
+    if not count:
+        return np.array(mask.shape) / 2
+    others = [tuple(b for b in range(mask.ndim) if b != a) for a in range(mask.ndim)]
+    return np.array([float(mask.sum(axis=o) @ np.arange(n)) / count for o, n in zip(others, mask.shape, strict=True)])
+
+
 def _edge(mask: np.ndarray) -> np.ndarray:
     return mask & ~ndimage.binary_erosion(mask) if mask.any() else mask
 
@@ -165,20 +175,20 @@ def render_planes(
         nib.orientations.io_orientation(affine), nib.orientations.axcodes2ornt(("L", "P", "S"))
     )
     labels_lps = to_lps(np.asarray(labels), affine)
-    ct = np.zeros(labels_lps.shape, np.float32) if ct is None else to_lps(np.asarray(ct, dtype=np.float32), affine)
+    ct = np.zeros(labels_lps.shape, np.float32) if ct is None else to_lps(np.asarray(ct), affine)
     lps_affine = affine @ nib.orientations.inv_ornt_aff(transform, np.asarray(labels).shape)
     spacing = np.linalg.norm(lps_affine[:3, :3], axis=0)
     if centre_lps is not None:
         ras = np.asarray(centre_lps, dtype=float) * [-1, -1, 1]
         centre = np.linalg.solve(lps_affine[:3, :3], ras - lps_affine[:3, 3])
     else:
-        present = np.argwhere(labels_lps == 1) if (labels_lps == 1).any() else np.argwhere(labels_lps > 0)
-        centre = present.mean(0) if len(present) else np.array(labels_lps.shape) / 2
+        centre = _centre(labels_lps == 1) if (labels_lps == 1).any() else _centre(labels_lps > 0)
     i, j, k = (int(np.clip(round(float(c)), 0, n - 1)) for c, n in zip(centre, labels_lps.shape, strict=True))
+    axial, coronal, sagittal = (np.asarray(p, np.float32) for p in (ct[:, :, k], ct[:, j, :], ct[i, :, :]))  # 3 only
     planes = [  # (CT plane, label plane, mm per row, mm per column, name): rows top to bottom, columns left to right
-        (ct[:, :, k].T, labels_lps[:, :, k].T, spacing[1], spacing[0], f"axial {k}"),
-        (ct[:, j, :].T[::-1], labels_lps[:, j, :].T[::-1], spacing[2], spacing[0], f"coronal {j}"),
-        (ct[i, :, :].T[::-1], labels_lps[i, :, :].T[::-1], spacing[2], spacing[1], f"sagittal {i}"),
+        (axial.T, labels_lps[:, :, k].T, spacing[1], spacing[0], f"axial {k}"),
+        (coronal.T[::-1], labels_lps[:, j, :].T[::-1], spacing[2], spacing[0], f"coronal {j}"),
+        (sagittal.T[::-1], labels_lps[i, :, :].T[::-1], spacing[2], spacing[1], f"sagittal {i}"),
     ]
     low, high = float(window[0]), float(window[1])
     pixel_mm = picture_pixel_mm(spacing, labels_lps.shape)

@@ -133,9 +133,10 @@ def save_nifti(path: str | Path, array: np.ndarray, affine: np.ndarray) -> Path:
 
     An integer array already in NIfTI's voxel order (Fortran-contiguous, little endian: what the DICOM readers make) is
     written in one piece -- nibabel's header, then the array's memory, gzipped in a few large zlib calls for
-    ``.nii.gz`` -- the bytes nibabel writes (tests/test_files.py), without its copy of every slice. Each large write
-    or zlib call runs without the GIL, so a case written in one thread costs little to the one reading the next case
-    (scripts.prepare); nibabel's per-slice writes had to win the GIL back hundreds of times per file. Any other
+    ``.nii.gz`` -- the bytes nibabel writes, gzip header included (tests/test_files.py), without its copy of every
+    slice. Each large write or zlib call runs without the GIL, so a case written in one thread costs little to the one
+    reading the next case (scripts.prepare), or to the writers beside it (scripts.outputs); nibabel's per-slice writes
+    had to win the GIL back hundreds of times per file. Any other
     array goes through ``nibabel.save``."""
     image = nib.Nifti1Image(array, affine)
     image.set_qform(affine, code=1)
@@ -155,12 +156,21 @@ def save_nifti(path: str | Path, array: np.ndarray, affine: np.ndarray) -> Path:
                 f.write(data)
                 return
             packer = zlib.compressobj(NIFTI_GZIP_LEVEL, zlib.DEFLATED, 31)  # 31: a gzip container
-            f.write(packer.compress(head))
+            f.write(_as_python_gzip(packer.compress(head)))
             for start in range(0, len(data), NIFTI_GZIP_CHUNK):
                 f.write(packer.compress(data[start : start + NIFTI_GZIP_CHUNK]))
             f.write(packer.flush())
 
     return replace_atomically(path, write)
+
+
+def _as_python_gzip(start: bytes) -> bytes:
+    """The first bytes zlib gives for a gzip container, its 10-byte header naming the operating system as Python's
+    ``gzip`` (and so nibabel) does, 255 (unknown), rather than zlib's 3 (Unix): with it the whole file is nibabel's,
+    byte for byte."""
+    if len(start) < 10 or start[:3] != b"\x1f\x8b\x08":
+        raise RuntimeError(f"zlib began a gzip stream with {start[:10]!r}, not a whole gzip header")
+    return start[:9] + b"\xff" + start[10:]
 
 
 #: bytes before the voxels of a single-file NIfTI-1 without extensions: the 348-byte header and 4 extension bytes

@@ -46,7 +46,7 @@ from scripts.batches import merged_items
 from scripts.dicom import CtSeries, SeriesSource, SliceMap, read_ct_series, scan_ct_series
 from scripts.figures import png_bytes, render_planes
 from scripts.files import display_name, save_nifti, write_json
-from scripts.geometry import voxel_volume_ml
+from scripts.geometry import bounding_box, voxel_volume_ml
 from scripts.inputs import slice_map_of
 from scripts.report import WHAT_TO_CHECK, implausible, report_rows, tumour_report, write_report, write_report_csv
 from scripts.writers.rtstruct import write_rtstruct
@@ -129,7 +129,7 @@ class SaveCased(MapTransform):
     def _write(self, d: dict, tensor, case_id: str, folder: Path) -> tuple[dict[str, str], dict | None, list[dict]]:
         seconds = self.last_seconds
         with _timed(seconds, "labels"):
-            labels = np.asarray(tensor.detach().cpu()).reshape(tensor.shape[-3:]).astype(np.uint8)
+            labels, box = label_volume(tensor)
         affine = np.asarray(tensor.meta.get("original_affine", tensor.affine), dtype=float)
         with _timed(seconds, "nifti"):
             files = {"nifti": str(save_nifti(folder / f"{case_id}_seg.nii.gz", labels, affine))}
@@ -161,8 +161,9 @@ class SaveCased(MapTransform):
                 write_sr(report, series, files.get("dicom_seg"), files["sr"], self.version, flags)
         voxel_ml = voxel_volume_ml(affine)
         with _timed(seconds, "labels"):
-            counts = np.bincount(labels.ravel(), minlength=len(self.labels) + 1)
-        volumes = {n: round(float(counts[i]) * voxel_ml, 3) for i, n in enumerate(self.labels, start=1)}
+            inside = labels[box]  # every labelled voxel
+            counts = [float(np.count_nonzero(inside == i)) for i in range(1, len(self.labels) + 1)]
+        volumes = {n: round(count * voxel_ml, 3) for n, count in zip(self.labels, counts, strict=True)}
         logger.info("%s: %s, volumes (ml) %s", case_id, ", ".join(Path(f).name for f in files.values()), volumes)
         return files, report, flags
 
@@ -207,6 +208,19 @@ class SaveCased(MapTransform):
             files["picture"] = str(folder / f"{case_id}_report.png")
             Path(files["picture"]).write_bytes(png_bytes(picture))
         return report, ct, flags
+
+
+def label_volume(tensor: Any) -> tuple[np.ndarray, tuple[slice, ...]]:
+    """The label map ``tensor`` ([..., X, Y, Z], any number type, on any device) as uint8 [X, Y, Z] in Fortran order
+    -- NIfTI's voxel order and the DICOM SEG's frames, so neither copies it again (:func:`scripts.files.save_nifti`
+    writes it in one piece) -- and the box that holds its labelled voxels. Only the box is converted and copied: the
+    rest of a CT is zeros. The values are ``astype(np.uint8)``'s."""
+    values = np.asarray(tensor.detach().cpu() if hasattr(tensor, "detach") else tensor).reshape(tensor.shape[-3:])
+    labels = np.zeros(values.shape, np.uint8, order="F")
+    found = bounding_box(values)
+    box = tuple(slice(int(a), int(b)) for a, b in zip(*found, strict=True)) if found else (slice(0, 0),) * 3
+    labels[box] = values[box]
+    return labels, box
 
 
 @contextlib.contextmanager

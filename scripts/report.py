@@ -140,9 +140,8 @@ def _border_fractions(labels: np.ndarray, count: int, region) -> np.ndarray:
     faces = []  # each voxel on the faces once: the two faces across axis 0, then what is left of those across 1, 2
     for axis in range(3):
         rest = box[tuple(slice(1, -1) if a < axis else slice(None) for a in range(3))]
-        if rest.shape[axis]:
-            ends = sorted({0, rest.shape[axis] - 1})
-            faces.append(np.take(rest, ends, axis=axis).ravel())
+        for end in sorted({0, rest.shape[axis] - 1}) if rest.shape[axis] else ():  # in memory order: only counted
+            faces.append(rest[tuple(end if a == axis else slice(None) for a in range(3))].ravel(order="K"))
     on_faces = np.concatenate(faces) if faces else np.zeros(0, labels.dtype)
     return np.bincount(on_faces, minlength=count + 1)[: count + 1] / max(on_faces.size, 1)
 

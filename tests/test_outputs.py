@@ -40,7 +40,7 @@ from monai.transforms import (
 from pydicom.sr.codedict import codes
 from scripts.evaluators import CaseByCaseEvaluator
 from scripts.inputs import CaseDataset, LoadCased, find_inputs
-from scripts.outputs import InferenceSummary, SaveCased
+from scripts.outputs import InferenceSummary, SaveCased, label_volume
 from scripts.region import Region
 from scripts.report import WHAT_TO_CHECK
 from scripts.synthetic import write_case
@@ -76,6 +76,21 @@ def test_nifti_is_written_on_the_original_grid_as_uint8_labels(tmp_path):
     assert image.get_data_dtype() == np.uint8
     np.testing.assert_array_equal(np.asarray(image.dataobj), labels)
     assert sorted(p.name for p in (tmp_path / "LUNG1-001").iterdir()) == ["LUNG1-001_seg.nii.gz"], "no DICOM SEG"
+
+
+def test_the_label_map_is_converted_once_in_niftis_order_with_astypes_values():
+    """label_volume: uint8 in Fortran order (what the NIfTI and the SEG's frames take without another copy), the values
+    astype(np.uint8) gives, only the box of labelled voxels converted; an empty map is all zeros."""
+    values = np.zeros((1, 9, 7, 5), np.float32)
+    values[0, 2:5, 1:3, 4] = 2.0
+    values[0, 6, 5, 0] = 1.0
+    values[0, 0, 0, 0] = -0.0
+    labels, box = label_volume(torch.from_numpy(values))
+    np.testing.assert_array_equal(labels, values[0].astype(np.uint8))
+    assert labels.dtype == np.uint8 and labels.flags.f_contiguous
+    assert box == (slice(2, 7), slice(1, 6), slice(0, 5))
+    empty, box = label_volume(torch.zeros((1, 4, 3, 2)))
+    assert not empty.any() and empty.shape == (4, 3, 2) and empty[box].size == 0
 
 
 def test_without_an_original_affine_the_tensor_affine_is_used(tmp_path):

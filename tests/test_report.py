@@ -182,6 +182,25 @@ def test_planes_picture_is_radiological(orientation):
     assert red_columns.size and red_columns.min() > width / 2  # the grid is centred on x = 0
 
 
+@pytest.mark.parametrize("orientation", ["ct", "permuted"])
+def test_report_and_picture_are_the_same_whatever_the_label_maps_memory_order(orientation):
+    """The writers get the label map in NIfTI's (Fortran) order (scripts.outputs.label_volume): the measurements, the
+    border fractions and the picture (its centre, its CT planes from int16) are those of the C-ordered map."""
+    affine = affines()[orientation]
+    lps = centres_lps(affine)
+    labels = ellipsoid(lps, [20.0, -5.0, 0.0], [6.0, 6.0, 7.0]).astype(np.uint8)
+    labels += ellipsoid(lps, [-20.0, 5.0, 3.0], [4.0, 3.0, 5.0]).astype(np.uint8) * 2
+    ct = np.where(labels > 0, 40, -800).astype(np.int16)
+    region = (np.array([2, 3, 1]), np.array(shape_for(affine)) - 2)
+    fortran = np.asfortranarray(labels)
+    assert tumour_report(fortran, ct, affine, ["GTV-1", "Heart"], region) == tumour_report(
+        labels, ct, affine, ["GTV-1", "Heart"], region
+    )
+    picture = render_planes(ct, labels, affine, title="t")
+    np.testing.assert_array_equal(render_planes(np.asfortranarray(ct), fortran, affine, title="t"), picture)
+    np.testing.assert_array_equal(render_planes(ct.astype(np.float32), labels, affine, title="t"), picture)
+
+
 @pytest.mark.parametrize(("shape", "spacing", "side"), [((64, 64, 40), (2.0, 2.0, 3.0), 384),
                                                         ((512, 512, 120), (0.98, 0.98, 3.0), 512),
                                                         ((1024, 1024, 300), (0.5, 0.5, 1.0), 512)])  # fmt: skip

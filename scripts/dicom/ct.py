@@ -124,7 +124,7 @@ class SliceMap:
         if tuple(volume.shape) != tuple(self.grid_shape):
             raise ValueError(f"a volume of shape {volume.shape} is not on the resampled grid {self.grid_shape}.")
         columns, rows = self.shape
-        out = np.zeros((columns, rows, len(self.origins)), dtype=volume.dtype)
+        out = np.zeros((columns, rows, len(self.origins)), dtype=volume.dtype, order="F")  # a slice: one piece
         for k, (a, b, c) in enumerate(np.rint(self.origins).astype(int)):
             i0, j0 = max(0, -a), max(0, -b)  # the part of the slice inside the volume
             i1, j1 = min(columns, volume.shape[0] - a), min(rows, volume.shape[1] - b)
