@@ -37,6 +37,7 @@ import ctypes
 import functools
 import gc
 import hashlib
+import importlib.util
 import json
 import logging
 import os
@@ -46,12 +47,15 @@ import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from scripts.cpus import usable_cpus
 from scripts.files import file_sha256, replace_atomically, write_json
+
+if TYPE_CHECKING:
+    from scripts.calibration import Calibration
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +64,9 @@ CPU_BACKENDS = ("openvino", "onnxruntime")
 #: what ``auto`` picks on a CPU, the first installed: OpenVINO (3x ONNX Runtime's speed in bf16, docs/performance.md),
 #: else ONNX Runtime
 AUTO_ORDER = ("openvino", "onnxruntime")
-PRECISIONS = ("auto", "bf16", "f32")
+PRECISIONS = ("auto", "bf16", "f32", "int8")
+#: what ``cpu_precision: int8`` needs beyond OpenVINO (requirements-int8.txt)
+INT8_EXTRA = "pip install -r requirements-int8.txt"
 #: OpenVINO: at most this many windows run side by side (sw_batch_size, the windows that arrive together, is 4)
 MAX_STREAMS = 4
 #: the ONNX opset of the export: the lowest torch's exporter writes (ONNX Runtime 1.32 runs up to 23)
@@ -99,10 +105,19 @@ def resolve(backend: str, device: torch.device | str) -> str:
 def resolve_precision(precision: str, backend: str) -> str:
     """The precision the network runs in on a CPU: for OpenVINO ``auto`` is ``bf16`` where the CPU computes bf16
     natively (:func:`native_bf16`), else ``f32``; ``bf16`` is refused on a CPU without it, and by ONNX Runtime and
-    PyTorch, which run ``f32`` (the message says what to set)."""
+    PyTorch, which run ``f32`` (the message says what to set). ``int8`` (never chosen by ``auto``) is OpenVINO's
+    only, with NNCF installed (:data:`INT8_EXTRA`)."""
     name = str(precision).strip().lower()
     if name not in PRECISIONS:
         raise BackendError(f"cpu_precision={precision!r}: choose one of {', '.join(PRECISIONS)}.")
+    if name == "int8":
+        if backend != "openvino":
+            raise BackendError(f"cpu_precision=int8 runs in OpenVINO, not {backend}: --inference_backend openvino (or "
+                               "auto on a CPU), or --cpu_precision f32.")  # fmt: skip
+        if importlib.util.find_spec("nncf") is None:
+            raise BackendError(f"cpu_precision=int8 needs NNCF, OpenVINO's quantiser, which is an optional extra: "
+                               f"{INT8_EXTRA}; or use --cpu_precision auto.")  # fmt: skip
+        return name
     if backend == "openvino":
         if name == "bf16" and not native_bf16():
             raise BackendError("cpu_precision=bf16: this CPU does not compute bf16 natively (no AVX-512 BF16 or AMX; "
@@ -148,10 +163,13 @@ def openvino_network(
     cache_dir: str | Path | None = None,
     threads: int | None = None,
     precision: str = "f32",
+    calibration: Calibration | None = None,
 ) -> OpenVinoNetwork:
     """``network`` (its weights from ``weights`` already loaded) compiled by OpenVINO for the CPU in ``precision``
-    (``bf16`` or ``f32``), from the ONNX export of :func:`onnx_file`; arguments as :func:`onnx_network`'s."""
-    return OpenVinoNetwork(onnx_file(network, weights, window, cache_dir), threads, precision)
+    (``bf16``, ``f32``, or ``int8`` quantised on ``calibration``'s windows), from the ONNX export of
+    :func:`onnx_file`; arguments as :func:`onnx_network`'s."""
+    return OpenVinoNetwork(onnx_file(network, weights, window, cache_dir), threads, precision,
+                           calibration=calibration)  # fmt: skip
 
 
 def onnx_file(
@@ -327,8 +345,9 @@ class OnnxNetwork(torch.nn.Module):
 class OpenVinoNetwork(torch.nn.Module):
     """The ONNX export compiled by OpenVINO for the CPU, called like the PyTorch network: float32 ``[B, 1, *window]``
     in, float32 logits out, in ``precision`` (``bf16``: OpenVINO's bf16 inference precision, weights and activations
-    in bf16 with f32 accumulation; ``f32``). The compiled model is cached in ``<model_file>.openvino-<precision>/``;
-    the log says whether it was compiled (and in how many seconds) or loaded.
+    in bf16 with f32 accumulation; ``f32``; ``int8``: the model quantised on ``calibration``'s windows by
+    :func:`quantized_model`). The compiled model is cached in ``<model_file>.openvino-<precision>/``; the log says
+    whether it was compiled (and in how many seconds) or loaded.
 
     ``streams``: how many windows of a batch run side by side, the threads shared among them (OpenVINO's streams;
     None: as many as threads, at most :data:`MAX_STREAMS`). On this project's 2-core machine the chest phantom's 30
@@ -337,7 +356,12 @@ class OpenVinoNetwork(torch.nn.Module):
     thorax``, f48): a window's small layers and reorders keep two threads waiting for each other."""
 
     def __init__(
-        self, model_file: str | Path, threads: int | None = None, precision: str = "f32", streams: int | None = None
+        self,
+        model_file: str | Path,
+        threads: int | None = None,
+        precision: str = "f32",
+        streams: int | None = None,
+        calibration: Calibration | None = None,
     ) -> None:
         super().__init__()
         import openvino
@@ -346,8 +370,12 @@ class OpenVinoNetwork(torch.nn.Module):
         self.threads = int(threads) if threads else usable_cpus()
         self.precision = precision
         self.streams = max(1, min(int(streams) if streams else MAX_STREAMS, self.threads))
+        if precision == "int8" and calibration is None:
+            raise BackendError(f"{self.model_file}: cpu_precision=int8 needs calibration windows (int8_calibration).")
         cache = self.model_file.with_name(f"{self.model_file.name}.openvino-{precision}")
-        config = {"INFERENCE_PRECISION_HINT": precision, "INFERENCE_NUM_THREADS": self.threads}
+        # int8: the quantised layers run in int8, what stays unquantised in f32 (the CPUs int8 is for have no bf16)
+        config = {"INFERENCE_PRECISION_HINT": "f32" if precision == "int8" else precision,
+                  "INFERENCE_NUM_THREADS": self.threads}  # fmt: skip
         if self.streams > 1:
             config.update(PERFORMANCE_HINT="THROUGHPUT", NUM_STREAMS=self.streams)
         else:
@@ -362,8 +390,11 @@ class OpenVinoNetwork(torch.nn.Module):
             with lock:
                 if "CACHE_DIR" in config:
                     _exclusive(lock)
+                model: Any = str(self.model_file)
+                if precision == "int8":  # quantised once (kept in the cache folder), then compiled as the others
+                    model = quantized_model(self.model_file, calibration, cache if "CACHE_DIR" in config else None)
                 cached = cache.is_dir() and any(cache.glob("*.blob"))
-                self.compiled = openvino.Core().compile_model(str(self.model_file), "CPU", config)
+                self.compiled = openvino.Core().compile_model(model, "CPU", config)
         except Exception as err:  # OpenVINO raises its own exception types
             raise BackendError(
                 f"{self.model_file}: OpenVINO cannot compile it ({str(err)[:300]}); delete it, "
@@ -409,6 +440,73 @@ class OpenVinoNetwork(torch.nn.Module):
     def extra_repr(self) -> str:
         return (f"model_file={self.model_file}, threads={self.threads}, streams={self.streams}, "
                 f"precision={self.precision}")  # fmt: skip
+
+
+#: the int8 model in its cache folder (OpenVINO IR: .xml and .bin) and the record of what it was quantised from
+INT8_MODEL, INT8_RECORD = "int8.xml", "int8.json"
+
+
+def quantized_model(model_file: Path, calibration: Calibration, folder: Path | None) -> Any:
+    """The ONNX export ``model_file`` quantised to int8 by NNCF (OpenVINO's post-training quantisation: activations'
+    ranges measured on ``calibration``'s windows, SmoothQuant and bias correction for the attention's products,
+    ``ModelType.TRANSFORMER``), kept in ``folder`` (``<model_file>.openvino-int8/``) as :data:`INT8_MODEL` with
+    :data:`INT8_RECORD` -- the calibration's key, the export's and the weights file's SHA-256 -- written last: the same
+    export and calibration load it (path returned), another calibration quantises again and clears the folder (its
+    compiled blobs came from the old model). ``folder`` None (read-only): quantised in memory each time (the model
+    returned). The caller holds the folder's lock. f48 on 16 windows: ~2 minutes on 2 cores (docs/performance.md)."""
+    try:
+        import nncf
+    except ImportError as err:  # an optional extra (requirements-int8.txt), not in metadata.json's requirements
+        raise BackendError(f"cpu_precision=int8 needs NNCF: {INT8_EXTRA}.") from err
+    import openvino
+
+    key, export_sha = calibration.key, _export_sha256(model_file)
+    if folder is not None:
+        xml, record_file = folder / INT8_MODEL, folder / INT8_RECORD
+        record = _read_json(record_file)
+        weights_file = xml.with_suffix(".bin")
+        if (record.get("calibration") == key and record.get("onnx_sha256") == export_sha and xml.is_file()
+                and weights_file.is_file() and file_sha256(weights_file) == record.get("bin_sha256")):  # fmt: skip
+            logger.info("int8: the model quantised on %s earlier (%s)", calibration.describe(), xml)
+            return str(xml)
+        for child in folder.iterdir():  # another calibration or export, or none: what was compiled from it goes too
+            shutil.rmtree(child) if child.is_dir() else child.unlink()
+    logger.info("int8: quantising %s on %s (NNCF %s; once per weights and calibration)", model_file.name,
+                calibration.describe(), nncf.__version__)  # fmt: skip
+    start = time.perf_counter()
+    windows = calibration.windows()
+    try:
+        model = nncf.quantize(openvino.Core().read_model(str(model_file)), nncf.Dataset(windows),
+                              model_type=nncf.ModelType.TRANSFORMER, subset_size=len(windows))  # fmt: skip
+    except Exception as err:  # NNCF raises its own and OpenVINO's exception types
+        raise BackendError(f"{model_file}: int8 quantisation failed ({type(err).__name__}: {str(err)[:300]}); use "
+                           "--cpu_precision f32 or auto.") from err  # fmt: skip
+    logger.info("int8: quantised in %.1f s on %d windows", time.perf_counter() - start, len(windows))
+    if folder is None:
+        return model
+    staging = folder / ".quantised"
+    staging.mkdir(exist_ok=True)
+    openvino.save_model(model, str(staging / INT8_MODEL))
+    os.replace(staging / weights_file.name, weights_file)
+    os.replace(staging / INT8_MODEL, xml)
+    staging.rmdir()
+    write_json(record_file, {"calibration": key, "describe": calibration.describe(), "onnx_sha256": export_sha,
+                             "bin_sha256": file_sha256(weights_file), "nncf": nncf.__version__,
+                             "windows": len(windows)})  # fmt: skip
+    return str(xml)
+
+
+def _export_sha256(model_file: Path) -> str:
+    """The export's SHA-256 as its sidecar recorded it (else hashed now: an ONNX file made elsewhere)."""
+    return _read_json(_sidecar(model_file)).get("onnx_sha256") or file_sha256(model_file)
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        found = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return found if isinstance(found, dict) else {}
 
 
 #: every network's OpenVINO objects (infer queue, compiled model, this process's fork count when made), kept for the
@@ -479,7 +577,8 @@ class WeightsRuntime:
     reloaded are never run by an export of other weights.
 
     ``weights``: the file the weights are kept in (``models/model.pt``), which names the export and, without
-    ``cache_dir``, holds it beside itself; ``window``, ``threads``, ``precision`` as :func:`openvino_network`'s."""
+    ``cache_dir``, holds it beside itself; ``window``, ``threads``, ``precision``, ``calibration`` as
+    :func:`openvino_network`'s."""
 
     def __init__(
         self,
@@ -489,11 +588,13 @@ class WeightsRuntime:
         cache_dir: str | Path | None = None,
         threads: int | None = None,
         precision: str = "f32",
+        calibration: Calibration | None = None,
     ) -> None:
         if backend not in CPU_BACKENDS:
             raise BackendError(f"{backend!r} is not a CPU runtime: one of {', '.join(CPU_BACKENDS)}.")
         self.backend, self.weights, self.window = backend, Path(weights), [int(w) for w in window]
         self.cache_dir, self.threads, self.precision = cache_dir, threads, precision
+        self.calibration = calibration
         self.digest: str | None = None
         self.network: torch.nn.Module | None = None
         self._lock = threading.Lock()  # requests served side by side make one compiled model, not one each
@@ -512,7 +613,7 @@ class WeightsRuntime:
             self.network = self.digest = None
             model_file = onnx_file(network, self.weights, self.window, self.cache_dir, digest)
             if self.backend == "openvino":
-                self.network = OpenVinoNetwork(model_file, self.threads, self.precision)
+                self.network = OpenVinoNetwork(model_file, self.threads, self.precision, calibration=self.calibration)
             else:
                 self.network = OnnxNetwork(model_file, self.threads)
             self.digest = digest
@@ -550,10 +651,7 @@ def _exclusive(handle: Any) -> None:
 
 
 def _cached_key(model_file: Path) -> str | None:
-    try:
-        return json.loads(_sidecar(model_file).read_text()).get("key")
-    except (OSError, ValueError, AttributeError):
-        return None
+    return _read_json(_sidecar(model_file)).get("key")
 
 
 def _sidecar(model_file: Path) -> Path:

@@ -29,6 +29,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from monai.transforms import KeepLargestConnectedComponentd
@@ -36,6 +37,9 @@ from scripts.backends import LazyNetwork, onnx_network, openvino_network
 from scripts.files import file_sha256
 from scripts.postprocess import fast_postprocessing
 from scripts.weights import load_weights
+
+if TYPE_CHECKING:
+    from scripts.calibration import Calibration
 
 logger = logging.getLogger(__name__)
 
@@ -187,6 +191,7 @@ def ensemble(
     cache_dir: str | Path | None = None,
     threads: int | None = None,
     precision: str = "f32",
+    calibration: Calibration | None = None,
 ) -> torch.nn.Module:
     """``network`` with the weights of ``models`` loaded: itself for one model without TTA, else an
     :class:`EnsembleNetwork` of ``network`` and deep copies of it, one per weight file (each checked against
@@ -194,7 +199,8 @@ def ensemble(
 
     ``backend="openvino"`` or ``"onnxruntime"``: each model is run by that CPU runtime instead
     (:mod:`scripts.backends`: exported once per weights file at the sliding ``window``'s shape, cached in
-    ``cache_dir`` or beside the weights, ``threads`` intra-op threads; OpenVINO in ``precision``), inside the same
+    ``cache_dir`` or beside the weights, ``threads`` intra-op threads; OpenVINO in ``precision``, int8 quantised on
+    ``calibration``'s windows), inside the same
     ensemble and TTA; each made when first called or by :func:`scripts.backends.prepare` (the runs call it first)."""
     flips = mirror_flips(tta_axes)
     members = []
@@ -204,7 +210,8 @@ def ensemble(
             if window is None:
                 raise ValueError(f"backend {backend}: give the sliding window's shape (window=roi_size).")
             if backend == "openvino":
-                make = functools.partial(openvino_network, member, path, window, cache_dir, threads, precision)
+                make = functools.partial(openvino_network, member, path, window, cache_dir, threads, precision,
+                                         calibration if precision == "int8" else None)  # fmt: skip
             else:
                 make = functools.partial(onnx_network, member, path, window, cache_dir, threads)
             member = LazyNetwork(make, f"{backend} {precision}: {path}, exported and compiled when first used")

@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Hashable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -35,6 +35,9 @@ from monai.utils import convert_to_dst_type, ensure_tuple_rep, fall_back_tuple
 from scripts.backends import CPU_BACKENDS, WeightsRuntime, device_of, resolve, resolve_precision
 from scripts.dicom.common import LPS_TO_RAS
 from scripts.region import MARGIN_MM, Region, find_thorax
+
+if TYPE_CHECKING:
+    from scripts.calibration import Calibration
 
 logger = logging.getLogger(__name__)
 
@@ -169,11 +172,15 @@ class RuntimeSlidingWindowInferer(FallbackSlidingWindowInferer):
         weights: str = "models/model.pt",
         cache_dir: str | None = None,
         threads: int | None = None,
+        calibration: str | None = None,
+        calibration_windows: int = 16,
+        config_file: str | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
         self.backend, self.precision, self.weights = backend, precision, weights
         self.cache_dir, self.threads = cache_dir, threads
+        self.calibration, self.calibration_windows, self.config_file = calibration, calibration_windows, config_file
         self.runtime: WeightsRuntime | None = None
 
     def __call__(self, inputs: torch.Tensor, network, *args: Any, **kwargs: Any):
@@ -188,8 +195,26 @@ class RuntimeSlidingWindowInferer(FallbackSlidingWindowInferer):
             return network
         if self.runtime is None:
             precision = resolve_precision(self.precision, backend)
-            self.runtime = WeightsRuntime(backend, self.weights, self.roi_size, self.cache_dir, self.threads, precision)
+            calibration = self._calibration() if precision == "int8" else None
+            self.runtime = WeightsRuntime(backend, self.weights, self.roi_size, self.cache_dir, self.threads, precision,
+                                          calibration)  # fmt: skip
         return self.runtime(network)
+
+    def _calibration(self) -> Calibration:
+        """int8's calibration windows: from ``calibration`` (as ``int8_calibration``), through the CT preprocessing of
+        ``config_file`` (the config this inferer is built from) and this sliding window's region."""
+        from scripts.calibration import Calibration
+
+        if not self.config_file:
+            raise ValueError("cpu_precision int8 in the inferer: give config_file, the config holding ct_transforms.")
+        plain = FallbackSlidingWindowInferer(self.roi_size, self.sw_batch_size, self.overlap, region=self.region,
+                                             spacing=self.spacing, hu_window=self.hu_window,
+                                             margin_mm=self.margin_mm)  # fmt: skip
+        # the settings train.yaml's calibration names: the bundle's run and MONAI Label share one quantised model
+        settings = {"spacing": self.spacing, "hu_window": self.hu_window, "region": self.region,
+                    "margin_mm": self.margin_mm}  # fmt: skip
+        return Calibration(self.calibration, self.calibration_windows, self.roi_size, self.config_file, plain,
+                           settings=settings)  # fmt: skip
 
 
 class SameDeviced(MapTransform):

@@ -87,8 +87,66 @@ def test_precision_auto_is_bf16_only_where_the_cpu_computes_it_natively(monkeypa
     assert resolve_precision("bf16", "openvino") == "bf16"
     with pytest.raises(BackendError, match="cpu_precision=bf16 runs in OpenVINO, not onnxruntime"):
         resolve_precision("bf16", "onnxruntime")
-    with pytest.raises(BackendError, match="cpu_precision='fp8': choose one of auto, bf16, f32"):
+    with pytest.raises(BackendError, match="cpu_precision='fp8': choose one of auto, bf16, f32, int8"):
         resolve_precision("fp8", "openvino")
+
+
+def test_int8_is_openvinos_only_never_auto_and_without_nncf_names_the_extra_to_install(monkeypatch):
+    assert resolve_precision("INT8", "openvino") == "int8"
+    assert resolve_precision("auto", "openvino") in ("bf16", "f32"), "int8 is opt-in"
+    with pytest.raises(BackendError, match="cpu_precision=int8 runs in OpenVINO, not onnxruntime"):
+        resolve_precision("int8", "onnxruntime")
+    monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None if name == "nncf" else object())
+    with pytest.raises(BackendError, match=r"needs NNCF.*pip install -r requirements-int8.txt"):
+        resolve_precision("int8", "openvino")
+
+
+class Windows:
+    """A calibration as :class:`scripts.calibration.Calibration` is to the backend: a key, and windows when asked."""
+
+    def __init__(self, key: str, seed: int = 0, count: int = 4) -> None:
+        self.key, self.asked = key, 0
+        generator = torch.Generator().manual_seed(seed)
+        self.made = [torch.rand(1, 1, *WINDOW, generator=generator).numpy() for _ in range(count)]
+
+    def describe(self) -> str:
+        return f"{len(self.made)} test windows"
+
+    def windows(self) -> list[np.ndarray]:
+        self.asked += 1
+        return self.made
+
+
+def test_int8_is_quantised_once_per_export_and_calibration_and_gives_the_f32_answer_within_its_rounding(tmp_path):
+    """The int8 model is quantised on the calibration's windows once and kept beside the compiled models (its record
+    naming the calibration); the same calibration loads it without making windows, another quantises again, a
+    damaged int8 file is quantised anew, and a new export drops it. Its logits stay near f32's."""
+    network, weights = saved(small_network(0), tmp_path / "model.pt")
+    x = torch.rand(2, 1, *WINDOW, generator=torch.Generator().manual_seed(1))
+    first = Windows("calibration-a")
+    int8 = openvino_network(network, weights, WINDOW, precision="int8", calibration=first)(x)
+    folder = tmp_path / "model.pt.onnx.openvino-int8"
+    record = json.loads((folder / "int8.json").read_text())
+    assert first.asked == 1 and record["calibration"] == "calibration-a" and record["windows"] == 4
+    with torch.no_grad():
+        reference = network(x)
+    assert (int8.argmax(1) == reference.argmax(1)).float().mean() > 0.95
+    assert (int8 - reference).abs().max() < 0.1 * reference.abs().max()
+    same = Windows("calibration-a")
+    torch.testing.assert_close(openvino_network(network, weights, WINDOW, precision="int8", calibration=same)(x), int8)
+    assert same.asked == 0, "the same calibration: the quantised model is loaded, no window made"
+    other = Windows("calibration-b", seed=5)
+    openvino_network(network, weights, WINDOW, precision="int8", calibration=other)(x)
+    assert other.asked == 1 and json.loads((folder / "int8.json").read_text())["calibration"] == "calibration-b"
+    (folder / "int8.bin").write_bytes(b"damaged")
+    again = Windows("calibration-b", seed=5)
+    openvino_network(network, weights, WINDOW, precision="int8", calibration=again)(x)
+    assert again.asked == 1, "a damaged int8 model is quantised anew"
+    with pytest.raises(BackendError, match="cpu_precision=int8 needs calibration windows"):
+        openvino_network(network, weights, WINDOW, precision="int8")
+    retrained, _ = saved(small_network(1), weights)
+    onnx_network(retrained, weights, WINDOW)
+    assert not folder.exists(), "quantised from the old export"
 
 
 CPU_BF16 = {"avx512_bf16", "amx_bf16"} & set(Path("/proc/cpuinfo").read_text().split())

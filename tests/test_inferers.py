@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import logging
 
+import numpy as np
 import pytest
 import torch
+from conftest import ROOT
+from monai.inferers import SlidingWindowInferer
 from scripts.inferers import OUT_OF_MEMORY, FallbackSlidingWindowInferer, SameDeviced
 
 
@@ -102,6 +106,40 @@ def test_on_a_cpu_the_handed_networks_weights_run_in_the_runtime_and_new_weights
     with torch.no_grad():
         torch.testing.assert_close(inferer(volume, network), reference(volume, other), rtol=1e-4, atol=1e-4)
     assert exports() == 2 and inferer.runtime.network is not compiled[0]
+
+
+def test_in_int8_the_inferer_calibrates_on_its_configs_preprocessing_and_its_own_windows(tmp_path):
+    """MONAI Label with cpu_precision int8: the inferer quantises the weights it is handed once, on windows of
+    int8_calibration's CTs preprocessed by the config it names, of its own window size; then serves them: the sliding
+    window over the int8 model the backend loads from the cache. (Its accuracy on trained weights:
+    tests/test_workflow_inference.py.)"""
+    import nibabel as nib
+    from scripts.backends import OpenVinoNetwork
+    from scripts.inferers import RuntimeSlidingWindowInferer
+
+    cts = tmp_path / "cts"
+    cts.mkdir()
+    hu = np.full((40, 40, 12), -1000.0, np.float32)
+    hu[5:35, 5:35] = 40.0
+    hu[10:20, 10:30, 2:10] = -850.0  # a lung
+    nib.save(nib.Nifti1Image(hu, np.diag([1.0, 1.0, 3.0, 1.0])), cts / "ct.nii.gz")
+    window = (16, 16, 8)
+    inferer = RuntimeSlidingWindowInferer(window, 2, 0.25, backend="openvino", precision="int8",
+                                          weights=str(tmp_path / "model.pt"), calibration=str(cts),
+                                          calibration_windows=4,
+                                          config_file=str(ROOT / "configs" / "inference.yaml"))  # fmt: skip
+    network = small_network(0)
+    volume = torch.from_numpy((hu + 1000.0) / 1500.0)[None, None]  # the CT as the preprocessing scales it
+    with torch.no_grad():
+        found = inferer(volume, network)
+    record = json.loads((tmp_path / "model.pt.onnx.openvino-int8" / "int8.json").read_text())
+    assert record["windows"] == 4 and record["describe"] == f"4 windows of 16x16x8 from {cts}"
+    assert inferer.network_for(network) is inferer.runtime.network, "the same weights: the same quantised model"
+    calibration = inferer._calibration()  # a second calibration of the same settings: the same key, no window made
+    calibration.windows = None
+    direct = OpenVinoNetwork(tmp_path / "model.pt.onnx", precision="int8", calibration=calibration)
+    with torch.no_grad():
+        torch.testing.assert_close(found, SlidingWindowInferer(window, 2, 0.25)(volume, direct))
 
 
 def test_on_a_gpu_with_torch_or_for_torchscript_the_inferer_runs_the_network_itself(tmp_path, monkeypatch):

@@ -186,28 +186,60 @@ def test_openvino_runs_the_network_on_a_cpu_and_onnx_runtime_runs_the_same_expor
                                    atol=1e-3)  # fmt: skip
 
 
-def test_bf16_and_f32_give_the_same_tumour_on_the_demo_cases_and_a_scanner_sized_ct(inferred, demo_run, tmp_path):
+def precision_run(inputs: Path, demo: Path, out: Path, precision: str) -> Path:
+    """The weights of the demo trained in ``demo`` on ``inputs`` in ``precision``, only the NIfTI written."""
+    workflow_run("inference", "--config_file", configs("inference.yaml", "demo.yaml"), "--input_dir", str(inputs),
+                 "--output_dir", str(out), "--model_path", str(demo / "run" / "model.pt"), "--prepared_dir",
+                 str(demo / "prepared"), "--cpu_precision", precision, "--num_workers", "0", "--write_dicom_seg",
+                 "false", "--write_rtstruct", "false", "--write_sr", "false", "--write_report", "false")  # fmt: skip
+    assert json.loads((out / "inference_report.json").read_text())["models"]["precision"] == precision
+    return out
+
+
+@pytest.fixture(scope="module")
+def f32_inferred(inferred, demo_run, tmp_path_factory):
+    """The reference of the bf16 and int8 guards: the demo cases and the 512 x 512 CT in f32."""
+    _, inputs, _, _, _, _ = inferred
+    tmp, _, _ = demo_run
+    return precision_run(inputs / "tcia", tmp, tmp_path_factory.mktemp("f32_out"), "f32")
+
+
+def assert_same_tumour(out: Path, reference: Path, cases: list[str]) -> None:
+    """Tumour Dice >= 0.99 and volumes within 1 % of the reference's, case by case."""
+    for case in cases:
+        found = np.asarray(nib.load(out / case / f"{case}_seg.nii.gz").dataobj) > 0
+        expected = np.asarray(nib.load(reference / case / f"{case}_seg.nii.gz").dataobj) > 0
+        assert expected.sum() > 100, f"{case}: the demo network finds the tumour"
+        assert dice(found, expected) >= 0.99, case
+        assert abs(int(found.sum()) - int(expected.sum())) <= 0.01 * expected.sum(), case
+
+
+def test_bf16_and_f32_give_the_same_tumour_on_the_demo_cases_and_a_scanner_sized_ct(inferred, demo_run, f32_inferred):
     """The accuracy guard of bf16: the demo's trained weights on two unseen demo cases and a 512 x 512 CT, in bf16
     (the `inferred` run: OpenVINO's precision where the CPU computes it natively) and in f32 (--cpu_precision f32):
     tumour Dice >= 0.99, volumes within 1 %; each precision's compiled model is kept beside the weights."""
     if not cpu_has_bf16():
         pytest.skip("this CPU has no native bf16: auto ran f32, nothing to compare")
-    truths, inputs, bf16_out, _, _, _ = inferred
+    truths, _, bf16_out, _, _, _ = inferred
     tmp, _, _ = demo_run
-    workflow_run("inference", "--config_file", configs("inference.yaml", "demo.yaml"), "--input_dir",
-                 str(inputs / "tcia"), "--output_dir", str(tmp_path), "--model_path", str(tmp / "run" / "model.pt"),
-                 "--cpu_precision", "f32", "--num_workers", "0", "--write_dicom_seg", "false", "--write_rtstruct",
-                 "false", "--write_sr", "false", "--write_report", "false")  # fmt: skip
-    assert json.loads((tmp_path / "inference_report.json").read_text())["models"]["precision"] == "f32"
     assert (tmp / "run" / "model.pt.onnx.openvino-f32").is_dir() and (
         tmp / "run" / "model.pt.onnx.openvino-bf16"
     ).is_dir()
-    for case in [t["patient_id"] for t in truths] + [CHEST]:
-        bf16_map = np.asarray(nib.load(bf16_out / case / f"{case}_seg.nii.gz").dataobj) > 0
-        f32_map = np.asarray(nib.load(tmp_path / case / f"{case}_seg.nii.gz").dataobj) > 0
-        assert f32_map.sum() > 100, f"{case}: the demo network finds the tumour"
-        assert dice(bf16_map, f32_map) >= 0.99, case
-        assert abs(int(bf16_map.sum()) - int(f32_map.sum())) <= 0.01 * f32_map.sum(), case
+    assert_same_tumour(bf16_out, f32_inferred, [t["patient_id"] for t in truths] + [CHEST])
+
+
+def test_int8_gives_the_tumour_of_f32_on_the_demo_cases_and_a_scanner_sized_ct(inferred, demo_run, f32_inferred,
+                                                                               tmp_path):  # fmt: skip
+    """The accuracy guard of int8 (--cpu_precision int8, calibrated as demo.yaml says on the demo's training cases):
+    the demo's trained weights on the same cases as bf16's guard, tumour Dice >= 0.99 and volumes within 1 % of f32;
+    the quantised model kept beside the compiled ones, named by its calibration."""
+    truths, inputs, _, _, _, _ = inferred
+    tmp, _, _ = demo_run
+    precision_run(inputs / "tcia", tmp, tmp_path, "int8")
+    record = json.loads((tmp / "run" / "model.pt.onnx.openvino-int8" / "int8.json").read_text())
+    assert record["describe"] == f"16 windows of 64x64x32 from {tmp / 'prepared' / 'datalist.json'}"
+    assert 8 <= record["windows"] <= 16, "the demo's training CTs hold 2 windows each: every one, up to 16"
+    assert_same_tumour(tmp_path, f32_inferred, [t["patient_id"] for t in truths] + [CHEST])
 
 
 def test_inference_without_an_input_dir_says_what_to_pass(tmp_path):

@@ -1,0 +1,227 @@
+"""The windows OpenVINO's int8 quantisation is calibrated on (``cpu_precision: int8``, :mod:`scripts.backends`).
+
+Post-training quantisation measures the range of every activation on a few real inputs and picks each int8 scale
+from it: windows unlike those inference feeds (random noise, an empty volume) give scales that clip a CT's tissue or
+waste the 256 levels on values never seen. So the windows are the very ones inference would run: each calibration CT
+goes through the bundle's own loading and CT preprocessing (:func:`scripts.inputs.load_case`, ``ct_transforms``) and
+its own sliding window (``sliding_window_inferer``: the windows of the thorax region), and a few of those windows,
+spread evenly over the region, are kept. Where they come from (``int8_calibration``):
+
+* ``null`` -- :data:`PATHOLOGIES` of the chest phantom (:mod:`scripts.phantom`: a planning CT's 512 x 512 x 100 grid
+  with neck, arms, lungs, mediastinum, upper abdomen, couch; a tumour in a collapsed lung, a large central mass, an
+  effusion), built in memory: nothing to download, the same windows on every machine;
+* a training run's ``datalist.json`` -- its ``training`` cases (the images ``scripts.prepare`` wrote), the data the
+  weights were trained on;
+* a folder -- the cases ``--input_dir`` would find in it (DICOM series, NIfTI files).
+
+:class:`Calibration` makes the windows only when asked (:meth:`Calibration.windows`: a quantisation that is cached
+never loads a CT) and names them by :attr:`Calibration.key` -- the source (each case's file names and sizes), the
+number of windows and the settings that shape them -- so the cache of the quantised model is used again only for the
+same calibration.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import logging
+import math
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from monai.data import MetaTensor
+from monai.transforms import Compose
+from monai.utils.enums import MetaKeys
+from scripts.inputs import InferenceInputError, find_inputs, load_case
+
+logger = logging.getLogger(__name__)
+
+#: the phantom's chests (``int8_calibration: null``): an ordinary one and three whose lungs hold little air
+PATHOLOGIES = ("none", "large_central", "collapsed_left", "effusion_right")
+#: the phantom's grid: 512 x 512 pixels of 0.98 mm (a 500 mm field of view), 100 slices of 3 mm
+PHANTOM_SHAPE = (512, 512, 100)
+PHANTOM_SPACING = (0.9765625, 0.9765625, 3.0)
+#: windows taken from each CT: several CTs with a few windows each cover more anatomy than one CT's every window
+WINDOWS_PER_CASE = 4
+#: bump when the way windows are chosen changes: every quantised model is then calibrated again
+VERSION = 1
+
+
+class CalibrationError(ValueError):
+    """The calibration source holds no usable CT; the message names it and what to pass."""
+
+
+class Calibration:
+    """``count`` windows of the network's input, taken from the CTs of ``source`` as inference would run them.
+
+    ``preprocessing``: the config's ``ct_transforms`` (a CT as :func:`scripts.inputs.load_case` reads it -> the
+    network's input), or the path of a config that defines them (read when the windows are made: MONAI Label's
+    inferer, which the config builds without them); ``inferer``: ``sliding_window_inferer``, whose windows are
+    recorded; ``out_channels``: what the recorded network returns per window (the inferer stitches it, then it is
+    discarded). ``settings``: what else shapes the windows (spacing, HU window, region), for the key."""
+
+    def __init__(
+        self,
+        source: str | Path | None,
+        count: int,
+        window: Sequence[int],
+        preprocessing: Sequence[Callable] | str | Path,
+        inferer: Callable[..., Any],
+        out_channels: int = 2,
+        settings: Mapping[str, Any] | None = None,
+    ) -> None:
+        if int(count) < 1:
+            raise CalibrationError(f"int8_calibration_windows={count}: at least one window is needed.")
+        self.source = None if source in (None, "", "null") else Path(source)
+        self.count, self.window = int(count), [int(w) for w in window]
+        self.preprocessing, self.inferer = preprocessing, inferer
+        self.out_channels = int(out_channels)
+        self.settings = dict(settings or {})
+        self._cases: list[dict] | None = None
+        self._planned = 0  # the cases meant to give the windows; the others give what these lack
+
+    def describe(self) -> str:
+        where = "the chest phantom" if self.source is None else str(self.source)
+        return f"{self.count} windows of {'x'.join(map(str, self.window))} from {where}"
+
+    @property
+    def key(self) -> str:
+        """What the windows depend on: the source's cases (names and file sizes), their number, the window and the
+        settings; the same key, the same windows."""
+        parts = {"version": VERSION, "count": self.count, "window": self.window, "settings": self.settings,
+                 "cases": [_fingerprint(case) for case in self.cases()]}  # fmt: skip
+        return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
+
+    def cases(self) -> list[dict]:
+        """The source's cases in the order the windows are taken from them: ``ceil(count / WINDOWS_PER_CASE)`` spread
+        evenly over their sorted order first, then the others in order while windows are still missing."""
+        if self._cases is None:
+            every = _source_cases(self.source)
+            first = _spread(len(every), max(1, math.ceil(self.count / WINDOWS_PER_CASE)))
+            planned = set(first)
+            rest = [i for i in range(len(every)) if i not in planned]
+            self._cases = [every[i] for i in first + rest]
+            self._planned = len(first)
+        return self._cases
+
+    def windows(self) -> list[np.ndarray]:
+        """The windows, ``[1, 1, *window]`` float32 each: from each planned case (:meth:`cases`) its share of
+        ``count``, spread evenly over the windows its sliding window runs (MONAI's order: along the last axis first);
+        a case with fewer windows than its share leaves the rest to the next cases."""
+        cases = self.cases()
+        inferer = copy.deepcopy(self.inferer)  # its record of the last case is the run's, not calibration's
+        preprocessing = Compose(_ct_transforms(self.preprocessing))
+        chosen: list[np.ndarray] = []
+        for number, case in enumerate(cases):
+            missing = self.count - len(chosen)
+            if missing == 0:
+                break
+            share = math.ceil(missing / max(1, self._planned - number))
+            if "ct" in case:
+                ct = case["ct"]()
+            else:
+                ct = load_case(case["image"], case.get("source", "nifti"), case.get("slice_paths"))
+            image = preprocessing({"image": ct})["image"]
+            seen: list[torch.Tensor] = []
+            with torch.no_grad():
+                inferer(torch.as_tensor(image)[None], _Recorder(seen, self.out_channels))
+            every = torch.cat(seen) if seen else torch.empty(0)
+            for i in _spread(every.shape[0], share):
+                chosen.append(every[i : i + 1].detach().to("cpu", torch.float32).contiguous().numpy())
+            logger.info("int8 calibration: %d of the %d windows of %s", min(share, every.shape[0]), every.shape[0],
+                        case["case_id"])  # fmt: skip
+        if not chosen:
+            raise CalibrationError(f"--int8_calibration {self.source}: no window of the network ran on its CTs; give "
+                                   "another.")  # fmt: skip
+        if len(chosen) < self.count:
+            logger.warning("int8 calibration: %d windows, not %d: every window of every CT of %s", len(chosen),
+                           self.count, self.source)  # fmt: skip
+        return chosen
+
+
+class _Recorder:
+    """Stands in for the network in the sliding window: keeps each batch of windows, returns background logits."""
+
+    def __init__(self, seen: list[torch.Tensor], out_channels: int) -> None:
+        self.seen, self.out_channels = seen, out_channels
+
+    def __call__(self, windows: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        self.seen.append(windows.detach().cpu())
+        return torch.zeros((windows.shape[0], self.out_channels, *windows.shape[2:]), dtype=windows.dtype)
+
+
+def _ct_transforms(preprocessing: Sequence[Callable] | str | Path) -> list[Callable]:
+    """The CT preprocessing itself, or ``ct_transforms`` of the config file it names (on the CPU)."""
+    if not isinstance(preprocessing, (str, Path)):
+        return list(preprocessing)
+    from monai.bundle import ConfigParser
+
+    parser = ConfigParser()
+    parser.read_config(str(preprocessing))
+    parser["bundle_root"] = str(Path(preprocessing).resolve().parents[1])
+    return list(parser.get_parsed_content("ct_transforms"))
+
+
+def _spread(total: int, wanted: int) -> list[int]:
+    """``wanted`` indices of ``range(total)``, evenly spaced, first and last included (all of them if fewer)."""
+    if wanted >= total:
+        return list(range(total))
+    return sorted({round(float(i)) for i in np.linspace(0, total - 1, wanted)})
+
+
+def _source_cases(source: Path | None) -> list[dict]:
+    """The cases of ``source`` as ``find_inputs`` gives them (or the phantom's, with their CT built in memory)."""
+    if source is None:
+        return [{"case_id": f"phantom-{name}", "pathology": name, "ct": _LazyPhantom(name)} for name in PATHOLOGIES]
+    if not source.exists():
+        raise CalibrationError(f"--int8_calibration {source}: no such file or folder; give a training run's "
+                               "datalist.json, a folder of CTs, or null for the chest phantom.")  # fmt: skip
+    if source.is_file() and source.suffix == ".json":
+        try:
+            listed = json.loads(source.read_text())["training"]
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise CalibrationError(f"--int8_calibration {source}: not a datalist with a 'training' list "
+                                   f"({err}).") from None  # fmt: skip
+        cases = [{"image": str((source.parent / item["image"]).resolve()), "case_id": str(item.get("case_id", i)),
+                  "source": "nifti"} for i, item in enumerate(listed)]  # fmt: skip
+    else:
+        try:
+            cases = find_inputs(source)
+        except InferenceInputError as err:
+            raise CalibrationError(f"--int8_calibration: {err}") from None
+    if not cases:
+        raise CalibrationError(f"--int8_calibration {source}: no CT in it; give a training run's datalist.json, a "
+                               "folder of CTs, or null for the chest phantom.")  # fmt: skip
+    return sorted(cases, key=lambda case: str(case["case_id"]))
+
+
+def _fingerprint(case: Mapping[str, Any]) -> list:
+    """A case's name and the sizes of its files (the phantom's: its pathology and grid)."""
+    if "pathology" in case:
+        return [case["pathology"], list(PHANTOM_SHAPE), list(PHANTOM_SPACING)]
+    files = [Path(p) for p in case.get("slice_paths") or [case["image"]]]
+    return [str(case["case_id"]), len(files), sum(p.stat().st_size for p in files if p.is_file())]
+
+
+class _LazyPhantom:
+    """The phantom chest of one pathology as ``load_case`` returns a CT: ``[1, X, Y, Z]`` HU, RAS affine."""
+
+    def __init__(self, pathology: str) -> None:
+        self.pathology = pathology
+
+    def __call__(self) -> MetaTensor:
+        from scripts.phantom import chest
+
+        (nx, ny, nz), (dx, dy, dz) = PHANTOM_SHAPE, PHANTOM_SPACING
+        xs = (np.arange(nx) - (nx - 1) / 2) * dx  # LPS mm: x to the patient's left, y to the back, z up
+        ys = (np.arange(ny) - (ny - 1) / 2) * dy
+        zs = np.arange(nz) * dz
+        hu, _, _ = chest(xs, ys, zs, pathology=self.pathology)
+        ras = np.array([[-dx, 0, 0, -xs[0]], [0, -dy, 0, -ys[0]], [0, 0, dz, zs[0]], [0, 0, 0, 1]], dtype=float)
+        meta = {"filename_or_obj": f"phantom-{self.pathology}", "source": "phantom",
+                "original_affine": torch.as_tensor(ras), MetaKeys.ORIGINAL_CHANNEL_DIM: 0}  # fmt: skip
+        return MetaTensor(torch.from_numpy(np.ascontiguousarray(hu, dtype=np.float32))[None], affine=ras, meta=meta)

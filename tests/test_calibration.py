@@ -1,0 +1,134 @@
+"""int8's calibration windows (scripts/calibration.py): the very windows inference's sliding window runs over each
+calibration CT, spread over its region and over the source's cases; a key that changes with the cases, their number
+and the settings; a training run's datalist gives its training cases only; the chest phantom through the config's own
+preprocessing when no source is given; a clear error for a source that holds no CT."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import nibabel as nib
+import numpy as np
+import pytest
+import torch
+from conftest import ROOT
+from monai.transforms import Orientationd, ScaleIntensityRanged
+from scripts.calibration import Calibration, CalibrationError
+from scripts.inferers import FallbackSlidingWindowInferer
+from scripts.phantom import chest
+
+WINDOW = (32, 32, 16)
+PREPROCESSING = [Orientationd(keys="image", axcodes="RAS"),
+                 ScaleIntensityRanged(keys="image", a_min=-1000, a_max=500, b_min=0, b_max=1, clip=True)]  # fmt: skip
+
+
+def small_chest(path: Path, seed: int, slices: int = 24) -> Path:
+    """A 4 mm chest phantom written as NIfTI (LPS centres to a RAS affine, independently of the module under test)."""
+    xs, ys, zs = (np.arange(128) - 63.5) * 4.0, (np.arange(96) - 47.5) * 4.0, np.arange(slices) * 6.0
+    hu, _, _ = chest(xs, ys, zs, seed=seed)
+    affine = np.diag([-4.0, -4.0, 6.0, 1.0])
+    affine[:3, 3] = [-xs[0], -ys[0], zs[0]]
+    nib.save(nib.Nifti1Image(hu.astype(np.int16), affine), path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def ct_folder(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("calibration_cts")
+    for i, slices in enumerate((24, 30, 36)):
+        small_chest(folder / f"case{i}.nii.gz", seed=i, slices=slices)
+    return folder
+
+
+def inferer() -> FallbackSlidingWindowInferer:
+    return FallbackSlidingWindowInferer(WINDOW, 4, 0.25, region="body", spacing=(4.0, 4.0, 6.0))
+
+
+def every_window(path: Path) -> torch.Tensor:
+    """The windows the sliding window gives a network for this CT, recorded here by a network of our own."""
+    from scripts.inputs import load_case
+
+    seen = []
+
+    def network(x):
+        seen.append(x.clone())
+        return torch.zeros((x.shape[0], 2, *x.shape[2:]))
+
+    image = PREPROCESSING[1](PREPROCESSING[0]({"image": load_case(path, "nifti")}))["image"]
+    inferer()(torch.as_tensor(image)[None], network)
+    return torch.cat(seen)
+
+
+def test_the_windows_are_those_inference_runs_spread_over_the_region_and_the_cases(ct_folder):
+    calibration = Calibration(ct_folder, 6, WINDOW, PREPROCESSING, inferer())
+    assert [case["case_id"] for case in calibration.cases()] == ["case0", "case2", "case1"], "2 CTs of 3 planned"
+    windows = calibration.windows()
+    assert len(windows) == 6 and all(w.shape == (1, 1, *WINDOW) and w.dtype == np.float32 for w in windows)
+    for case, chosen in (("case0", windows[:3]), ("case2", windows[3:])):
+        run = every_window(ct_folder / f"{case}.nii.gz")
+        found = [next(i for i in range(run.shape[0]) if torch.equal(run[i : i + 1], torch.from_numpy(w)))
+                 for w in chosen]  # fmt: skip
+        assert found[0] == 0 and found[2] == run.shape[0] - 1 > 3, f"{case}: the first and the last of {run.shape[0]}"
+        assert abs(found[1] - (run.shape[0] - 1) / 2) <= 0.5, f"{case}: and the middle one"
+    assert Calibration(ct_folder, 6, WINDOW, PREPROCESSING, inferer()).windows()[4].tobytes() == windows[4].tobytes()
+
+
+def test_the_key_changes_with_the_cases_their_number_and_the_settings(ct_folder, tmp_path):
+    def key(folder=ct_folder, count=6, settings=None):
+        return Calibration(folder, count, WINDOW, PREPROCESSING, inferer(), settings=settings or {"spacing": 4}).key
+
+    assert key() == key()
+    assert key(count=5) != key() and key(settings={"spacing": 3}) != key()
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for path in ct_folder.iterdir():
+        (copy / path.name).write_bytes(path.read_bytes())
+    assert key(copy) == key(), "the same cases elsewhere: the same windows"
+    small_chest(copy / "case2.nii.gz", seed=9, slices=40)
+    assert key(copy) != key(), "a case changed"
+
+
+def test_cases_with_few_windows_leave_the_rest_to_the_next_cases(ct_folder):
+    """Small CTs (the demo's) hold fewer windows than their share: the windows asked for still come, from more CTs."""
+    big = (48, 48, 16)
+    calibration = Calibration(ct_folder, 8, big, PREPROCESSING, FallbackSlidingWindowInferer(big, 4, 0.25))
+    windows = calibration.windows()
+    assert len(windows) == 8 and len({w.tobytes() for w in windows}) == 8
+
+
+def test_a_datalist_gives_its_training_cases_only(ct_folder, tmp_path):
+    datalist = tmp_path / "datalist.json"
+    datalist.write_text(json.dumps({
+        "training": [{"image": str(ct_folder / "case1.nii.gz"), "case_id": "train-1"}],
+        "validation": [{"image": str(ct_folder / "case0.nii.gz"), "case_id": "val-0"}],
+        "test": [{"image": str(ct_folder / "case2.nii.gz"), "case_id": "test-2"}]}))  # fmt: skip
+    calibration = Calibration(datalist, 8, WINDOW, PREPROCESSING, inferer())
+    assert [case["case_id"] for case in calibration.cases()] == ["train-1"]
+    assert len(calibration.windows()) == 8, "one case gives every window asked for (it has more)"
+
+
+def test_a_source_without_a_ct_is_refused_naming_it(tmp_path):
+    for source, message in ((tmp_path / "missing", "no such file or folder"),
+                            (tmp_path, "no CT|nothing|no case|no usable"),  # an empty folder
+                            (tmp_path / "list.json", "not a datalist with a 'training' list")):  # fmt: skip
+        if source.suffix == ".json":
+            source.write_text("[]")
+        with pytest.raises(CalibrationError, match=message) as caught:
+            Calibration(source, 4, WINDOW, PREPROCESSING, inferer()).windows()
+        assert "--int8_calibration" in str(caught.value)
+    with pytest.raises(CalibrationError, match="at least one window"):
+        Calibration(None, 0, WINDOW, PREPROCESSING, inferer())
+
+
+def test_without_a_source_the_chest_phantom_goes_through_the_configs_own_preprocessing():
+    """MONAI Label's inferer passes the config file: its ct_transforms (1 x 1 x 3 mm, HU window) and the thorax's
+    96^3 windows over a 512 x 512 chest; the windows hold lung air and soft tissue."""
+    region = FallbackSlidingWindowInferer((96, 96, 96), 4, 0.25, region="thorax", spacing=(1.0, 1.0, 3.0))
+    calibration = Calibration(None, 2, (96, 96, 96), ROOT / "configs" / "inference.yaml", region)
+    assert calibration.cases()[0]["case_id"] == "phantom-none"
+    windows = calibration.windows()
+    assert len(windows) == 2 and windows[0].shape == (1, 1, 96, 96, 96)
+    both = np.concatenate(windows)
+    assert both.min() >= 0.0 and both.max() <= 1.0
+    assert (both < 0.15).mean() > 0.05 and ((both > 0.6) & (both < 0.75)).mean() > 0.05, "lung and soft tissue"
