@@ -13,7 +13,11 @@
   measurements stay on the Cartesian grid, and the report's ``notes`` say what was done. ``<output_dir>/report.csv``
   gets one row per case and structure. A case's files are written into a hidden folder and moved into place
   together: a case that fails while writing leaves nothing half-written, and its outputs from an earlier run stay as
-  they were. Given ``models`` (:meth:`scripts.ensemble.Models.record`: the weight files with their SHA-256, TTA,
+  they were. The writers that wait on nothing else run side by side in a pool of ``workers`` threads (default: up to
+  :data:`WRITE_WORKERS`, no more than the CPUs; zlib, numpy and file writes release Python's lock), which ends with
+  the call; the label map is converted once, in NIfTI's voxel order, and the CT's headers read once; the SR waits
+  for the report and the SEG. What they write is what they write one after the other (``workers=1``).
+  Given ``models`` (:meth:`scripts.ensemble.Models.record`: the weight files with their SHA-256, TTA,
   post-processing), the DICOM SEG carries them as its algorithm's parameters and the tumour report as ``models``.
   Given ``plausible`` (limits of :func:`scripts.report.implausible`), a tumour unlikely to be a lung GTV -- bigger
   than one is likely to be, in more pieces, filling most of the border of the region the network ran on (``inferer``'s
@@ -28,13 +32,15 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
 import logging
 import os
 import shutil
 import time
-from collections.abc import Hashable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +49,7 @@ import numpy as np
 from ignite.engine import Engine, Events
 from monai.transforms import MapTransform
 from scripts.batches import merged_items
+from scripts.cpus import usable_cpus
 from scripts.dicom import CtSeries, SeriesSource, SliceMap, read_ct_series, scan_ct_series
 from scripts.figures import png_bytes, render_planes
 from scripts.files import display_name, save_nifti, write_json
@@ -50,12 +57,15 @@ from scripts.geometry import bounding_box, voxel_volume_ml
 from scripts.inputs import slice_map_of
 from scripts.report import WHAT_TO_CHECK, implausible, report_rows, tumour_report, write_report, write_report_csv
 from scripts.writers.rtstruct import write_rtstruct
-from scripts.writers.seg import algorithm_identification, write_dicom_seg
+from scripts.writers.seg import algorithm_identification, source_images, with_type_2, write_dicom_seg
 from scripts.writers.sr import write_sr
 
 logger = logging.getLogger(__name__)
 
 REPORT = "inference_report.json"
+#: the most writers :class:`SaveCased` runs side by side by default (NIfTI, report, picture, SEG, RTSTRUCT: at most four
+#: at once wait on nothing else)
+WRITE_WORKERS = 4
 
 
 class CaseOutputError(RuntimeError):
@@ -82,6 +92,7 @@ class SaveCased(MapTransform):
         models: Mapping[str, str] | None = None,
         plausible: Mapping[str, float] | None = None,
         inferer: Any = None,
+        workers: int | None = None,
     ) -> None:
         super().__init__(keys, allow_missing_keys)
         self.enabled = enabled
@@ -93,6 +104,8 @@ class SaveCased(MapTransform):
         self.models = dict(models) if models else None
         self.plausible = dict(plausible) if plausible else None
         self.inferer = inferer  # its ``last["box_lps_mm"]``: where the network ran on the case just predicted
+        # how many writers run side by side (1: one after the other in the calling thread, the serial code)
+        self.workers = max(1, int(workers)) if workers is not None else min(WRITE_WORKERS, usable_cpus())
         self.algorithm = algorithm_identification(algorithm_version)
         #: the last case's seconds per output (``labels``, ``nifti``, ``ct``, ``report``, ``picture``, ``dicom_seg``,
         #: ``rtstruct``, ``sr``, ``move``), for python -m benchmarks.bench_outputs
@@ -130,35 +143,51 @@ class SaveCased(MapTransform):
         seconds = self.last_seconds
         with _timed(seconds, "labels"):
             labels, box = label_volume(tensor)
+        labels.flags.writeable = False  # read by writers side by side: none may change it
         affine = np.asarray(tensor.meta.get("original_affine", tensor.affine), dtype=float)
-        with _timed(seconds, "nifti"):
-            files = {"nifti": str(save_nifti(folder / f"{case_id}_seg.nii.gz", labels, affine))}
         dicom = d.get("source") == "dicom"
         series = d.get("slice_paths") or d.get("source_path")  # the CT series' files (discovery), or its folder
         slices = slice_map_of(tensor.meta) if dicom and hasattr(tensor, "meta") else None
-        with _timed(seconds, "labels"):
-            on_slices = labels if slices is None else slices.to_slices(labels)  # the series' slices, for SEG/RTSTRUCT
-        if slices is not None:
-            logger.info("%s: labels mapped from the resampled %s grid back onto the %d original slices", case_id,
-                        "x".join(map(str, labels.shape)), on_slices.shape[2])  # fmt: skip
-        report, ct, flags = (
-            self._report(d, labels, affine, case_id, folder, files, slices) if self.write_report else (None, None, [])
-        )
-        if dicom and (self.write_seg or self.write_rtstruct or (self.write_sr and report is not None)):
-            with _timed(seconds, "ct"):
-                series = ct.scanned if ct is not None else scan_ct_series(series, resample=True)  # headers read once
-        if dicom and self.write_seg:
-            files["dicom_seg"] = str(folder / f"{case_id}_seg.dcm")
-            with _timed(seconds, "dicom_seg"):
-                write_dicom_seg(on_slices, series, self.labels, files["dicom_seg"], self.algorithm)
-        if dicom and self.write_rtstruct:
-            files["rtstruct"] = str(folder / f"{case_id}_rtstruct.dcm")
-            with _timed(seconds, "rtstruct"):
-                write_rtstruct(on_slices, series, self.labels, files["rtstruct"], self.version)
-        if dicom and self.write_sr and report is not None:
-            files["sr"] = str(folder / f"{case_id}_sr.dcm")
-            with _timed(seconds, "sr"):
-                write_sr(report, series, files.get("dicom_seg"), files["sr"], self.version, flags)
+        files = {"nifti": str(folder / f"{case_id}_seg.nii.gz")}
+        report, flags = None, []
+        with _Jobs(self.workers, seconds) as jobs:
+            jobs.submit("nifti", save_nifti, files["nifti"], labels, affine)
+            with _timed(seconds, "labels"):
+                on_slices = labels if slices is None else slices.to_slices(labels)  # the series' own, for SEG/RTSTRUCT
+            if slices is not None:
+                logger.info("%s: labels mapped from the resampled %s grid back onto the %d original slices", case_id,
+                            "x".join(map(str, labels.shape)), on_slices.shape[2])  # fmt: skip
+            ct = None
+            if self.write_report:  # the CT read again for HU; its headers serve the DICOM writers
+                source = d.get("slice_paths") or d["source_path"]
+                hu, notes, ct = jobs.run("ct", original_ct, source, d.get("source", "dicom"), labels.shape)
+                files["report"] = str(folder / f"{case_id}_report.json")
+                reported = jobs.submit("report", self._report, d, labels, hu, notes, affine, case_id, folder, slices)
+                files["picture"] = str(folder / f"{case_id}_report.png")
+                title = f"{case_id}: {', '.join(self.labels)}"
+                jobs.submit("picture", _write_picture, files["picture"], hu, labels, affine, title)
+            sr = dicom and self.write_sr and self.write_report
+            if dicom and (self.write_seg or self.write_rtstruct or sr):
+                series = ct.scanned if ct is not None else jobs.run("ct", scan_ct_series, series, resample=True)
+                # what the DICOM writers add to the headers, added before they read them side by side
+                if self.write_seg:
+                    source_images(series)
+                else:
+                    with_type_2([ds for _, ds in series.headers])
+            if dicom and self.write_seg:
+                files["dicom_seg"] = str(folder / f"{case_id}_seg.dcm")
+                seg = jobs.submit("dicom_seg", write_dicom_seg, on_slices, series, self.labels, files["dicom_seg"],
+                                  self.algorithm)  # fmt: skip
+            if dicom and self.write_rtstruct:
+                files["rtstruct"] = str(folder / f"{case_id}_rtstruct.dcm")
+                jobs.submit("rtstruct", write_rtstruct, on_slices, series, self.labels, files["rtstruct"], self.version)
+            if self.write_report:
+                report, flags = jobs.wait(reported)
+            if sr:  # the report's measurements and flags, and the SEG's UIDs
+                files["sr"] = str(folder / f"{case_id}_sr.dcm")
+                if self.write_seg:
+                    jobs.wait(seg)
+                jobs.submit("sr", write_sr, report, series, files.get("dicom_seg"), files["sr"], self.version, flags)
         voxel_ml = voxel_volume_ml(affine)
         with _timed(seconds, "labels"):
             inside = labels[box]  # every labelled voxel
@@ -171,22 +200,17 @@ class SaveCased(MapTransform):
         self,
         d: dict,
         labels: np.ndarray,
+        hu: np.ndarray | None,
+        notes: list[str],
         affine: np.ndarray,
         case_id: str,
         folder: Path,
-        files: dict,
         slices: SliceMap | None,
-    ) -> tuple[dict, CtSeries | None, list[dict]]:
+    ) -> tuple[dict, list[dict]]:
         """The tumour report of the prediction, with HU from the case's CT read again (on the grid the prediction is
-        on), as JSON and as a three-plane picture; a resampled series' notes say how, and where the DICOM labels are.
-        Also the series read (its headers serve the DICOM writers), None for NIfTI, and what makes the tumour
+        on), as JSON; a resampled series' notes say how, and where the DICOM labels are. Also what makes the tumour
         implausible (logged as a warning, in the report with what to check)."""
-        seconds = self.last_seconds
-        with _timed(seconds, "ct"):
-            hu, notes, ct = original_ct(d.get("slice_paths") or d["source_path"], d.get("source", "dicom"),
-                                        labels.shape)  # fmt: skip
-        with _timed(seconds, "report"):
-            report = tumour_report(labels, hu, affine, self.labels, region_on(self.inferer, affine, labels.shape))
+        report = tumour_report(labels, hu, affine, self.labels, region_on(self.inferer, affine, labels.shape))
         flags = implausible(report, self.plausible) if self.plausible else []
         context = {"input": display_name(str(d["source_path"])), "model_version": self.version}
         if flags:
@@ -201,13 +225,75 @@ class SaveCased(MapTransform):
             context["notes"] = notes
         if self.models:
             context["models"] = self.models
-        with _timed(seconds, "report"):
-            files["report"] = str(write_report(report, case_id, folder, **context))
-        with _timed(seconds, "picture"):
-            picture = render_planes(hu, labels, affine, title=f"{case_id}: {', '.join(self.labels)}")
-            files["picture"] = str(folder / f"{case_id}_report.png")
-            Path(files["picture"]).write_bytes(png_bytes(picture))
-        return report, ct, flags
+        write_report(report, case_id, folder, **context)
+        return report, flags
+
+
+def _write_picture(path: str, hu: np.ndarray | None, labels: np.ndarray, affine: np.ndarray, title: str) -> None:
+    """The tumour report's picture: the axial, coronal and sagittal planes through the tumour, as PNG."""
+    Path(path).write_bytes(png_bytes(render_planes(hu, labels, affine, title=title)))
+
+
+class _Jobs:
+    """A case's writers as jobs: with ``workers`` 1, each runs in this thread when it is submitted (in order, the
+    first failure ending the case: the serial code's behaviour); with more, in a pool of that many threads, which
+    lives as long as the ``with`` block. Leaving the block waits for every job, and on a failure cancels those not
+    started and raises the error of the first job, in submission order, that failed, so no writer is still writing
+    into the staging folder when it is removed. Each job's seconds are added to ``seconds`` under its name."""
+
+    def __init__(self, workers: int, seconds: dict[str, float]) -> None:
+        self.seconds = seconds
+        self.pool = ThreadPoolExecutor(workers, thread_name_prefix="save_case") if workers > 1 else None
+        self.jobs: list[Future] = []
+
+    def __enter__(self) -> _Jobs:
+        return self
+
+    def submit(self, name: str, work: Callable[..., Any], *args: Any, **kwargs: Any) -> Future:
+        """Start ``work(*args, **kwargs)`` in the pool, or without one run it now; raise a failure already seen."""
+        self._raise_first_failure()
+        if self.pool is None:
+            return self._here(name, work, *args, **kwargs)
+        job = self.pool.submit(self._timed, name, work, *args, **kwargs)
+        self.jobs.append(job)
+        return job
+
+    def run(self, name: str, work: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``work``'s result, computed in this thread as a job of its own (what the next jobs need)."""
+        self._raise_first_failure()
+        return self._here(name, work, *args, **kwargs).result()
+
+    def wait(self, job: Future) -> Any:
+        """The job's result, once it is done (its error, or an earlier job's, raised)."""
+        concurrent.futures.wait([job])
+        self._raise_first_failure()
+        return job.result()
+
+    def _here(self, name: str, work: Callable[..., Any], *args: Any, **kwargs: Any) -> Future:
+        """``work`` run in this thread, as a finished job; its failure (or an earlier job's) raised."""
+        job: Future = Future()
+        try:
+            job.set_result(self._timed(name, work, *args, **kwargs))
+        except Exception as err:
+            job.set_exception(err)
+        self.jobs.append(job)
+        self._raise_first_failure()
+        return job
+
+    def _timed(self, name: str, work: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        with _timed(self.seconds, name):
+            return work(*args, **kwargs)
+
+    def _raise_first_failure(self) -> None:
+        for job in self.jobs:
+            if job.done() and not job.cancelled() and job.exception() is not None:
+                raise job.exception()
+
+    def __exit__(self, kind: type | None, error: BaseException | None, traceback: Any) -> None:
+        if self.pool is None:
+            return
+        self.pool.shutdown(wait=True, cancel_futures=kind is not None)
+        self._raise_first_failure()
 
 
 def label_volume(tensor: Any) -> tuple[np.ndarray, tuple[slice, ...]]:

@@ -13,6 +13,8 @@ import json
 import logging
 import shutil
 import subprocess
+import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -40,7 +42,7 @@ from monai.transforms import (
 from pydicom.sr.codedict import codes
 from scripts.evaluators import CaseByCaseEvaluator
 from scripts.inputs import CaseDataset, LoadCased, find_inputs
-from scripts.outputs import InferenceSummary, SaveCased, label_volume
+from scripts.outputs import CaseOutputError, InferenceSummary, SaveCased, label_volume
 from scripts.region import Region
 from scripts.report import WHAT_TO_CHECK
 from scripts.synthetic import write_case
@@ -474,3 +476,103 @@ def test_a_cases_dicom_objects_read_the_series_headers_once(tmp_path, dicom_case
     frames = seg.PerFrameFunctionalGroupsSequence
     referenced = {r.ReferencedSOPInstanceUID for f in frames for r in f.DerivationImageSequence[0].SourceImageSequence}
     assert referenced <= {ds.SOPInstanceUID for ds in slices}
+
+
+#: what differs between two writings of one case: new UIDs, and when they were written
+FRESH = ("UID", "Date", "Time", "DateTime")
+
+
+def comparable(ds: pydicom.Dataset) -> pydicom.Dataset:
+    """``ds`` without what is new each time it is written (UIDs but the source CT's, dates, times), at every level."""
+    keep = {"SOPClassUID", "ReferencedSOPClassUID", "StudyInstanceUID", "FrameOfReferenceUID", "TransferSyntaxUID",
+            "MediaStorageSOPClassUID", "ImplementationClassUID", "StudyDate", "StudyTime"}  # fmt: skip
+    for element in list(ds):
+        if element.VR == "SQ":
+            for item in element.value:
+                comparable(item)
+        elif element.keyword.endswith(FRESH) and element.keyword not in keep:
+            del ds[element.tag]
+    return ds
+
+
+def save_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("save_case")]
+
+
+def test_writers_side_by_side_write_what_they_write_one_after_the_other(tmp_path, dicom_case):
+    """Every output (an implausible tumour, so the SR carries flags): NIfTI, report JSON and PNG and report.csv byte
+    for byte, SEG, RTSTRUCT and SR equal as datasets (UIDs and times aside); the SR references its own run's SEG; no
+    writer's thread outlives the call."""
+    truth, _, labels = dicom_case
+    written = {}
+    for workers in (1, 4):
+        data = {"case_id": "P1", "pred": prediction(labels), "source": "dicom", "source_path": truth["image_dir"]}
+        save = SaveCased("pred", tmp_path / str(workers), LABELS, write_rtstruct=True, write_sr=True,
+                         write_report=True, plausible={"max_volume_ml": 0.5}, workers=workers)  # fmt: skip
+        out = save(data)
+        assert save_threads() == [], "the pool ends with the call"
+        assert out["pred_flags"] and set(out["pred_files"]) == {"nifti", "report", "picture", "dicom_seg", "rtstruct",
+                                                                "sr"}  # fmt: skip
+        written[workers] = out["pred_files"]
+        sr, seg = pydicom.dcmread(out["pred_files"]["sr"]), pydicom.dcmread(out["pred_files"]["dicom_seg"])
+        evidence = {r.ReferencedSOPInstanceUID for s in sr.CurrentRequestedProcedureEvidenceSequence
+                    for series in s.ReferencedSeriesSequence for r in series.ReferencedSOPSequence}  # fmt: skip
+        assert seg.SOPInstanceUID in evidence
+    assert list(written[1]) == list(written[4]), "the same files, listed in the same order"
+    for kind in ("nifti", "report", "picture"):
+        assert Path(written[1][kind]).read_bytes() == Path(written[4][kind]).read_bytes(), kind
+    assert (tmp_path / "1" / "report.csv").read_bytes() == (tmp_path / "4" / "report.csv").read_bytes()
+    for kind in ("dicom_seg", "rtstruct", "sr"):
+        one, four = (pydicom.dcmread(written[w][kind]) for w in (1, 4))
+        assert comparable(one) == comparable(four) and comparable(one.file_meta) == comparable(four.file_meta), kind
+
+
+@pytest.mark.parametrize("failing", ["write_dicom_seg", "write_rtstruct", "save_nifti"])
+def test_a_writer_failing_beside_the_others_names_the_case_and_leaves_nothing_half_written(
+    tmp_path, dicom_case, monkeypatch, failing
+):
+    """The case's earlier outputs stay as they were, no staging folder is left, the error names the case and says
+    why, the SR (which needs the SEG) is not written after a failed SEG, and no thread is left running."""
+    truth, _, labels = dicom_case
+    (tmp_path / "P1").mkdir()
+    (tmp_path / "P1" / "earlier.txt").write_text("an earlier run's outputs")
+    wrote_sr = []
+    monkeypatch.setattr("scripts.outputs.write_sr", lambda *a, **k: wrote_sr.append(a))
+
+    def fail(*args, **kwargs):
+        time.sleep(0.05)  # the other writers are under way
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(f"scripts.outputs.{failing}", fail)
+    data = {"case_id": "P1", "pred": prediction(labels), "source": "dicom", "source_path": truth["image_dir"]}
+    save = SaveCased("pred", tmp_path, LABELS, write_rtstruct=True, write_sr=True, write_report=True, workers=4)
+    with pytest.raises(CaseOutputError, match=r"^P1: writing its outputs to .* failed \(.*No space left on device"):
+        save(data)
+    assert [p.name for p in (tmp_path / "P1").iterdir()] == ["earlier.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["P1"], "no staging folder left"
+    assert save_threads() == []
+    if failing == "write_dicom_seg":
+        assert wrote_sr == [], "no SR without its SEG"
+
+
+def test_one_worker_writes_in_the_calling_thread_and_more_in_a_pool_of_their_own(tmp_path, dicom_case, monkeypatch):
+    """workers=1 is the serial code: every writer in the thread that calls; with more, they run in the pool."""
+    import scripts.outputs as outputs
+
+    truth, _, labels = dicom_case
+    threads: dict[str, str] = {}
+
+    def recorded(name, write):
+        return lambda *a, **k: threads.update({name: threading.current_thread().name}) or write(*a, **k)
+
+    for name in ("save_nifti", "write_dicom_seg", "write_rtstruct"):
+        monkeypatch.setattr(outputs, name, recorded(name, getattr(outputs, name)))
+    for workers, where in ((1, {threading.current_thread().name}), (3, None)):
+        threads.clear()
+        data = {"case_id": "P1", "pred": prediction(labels), "source": "dicom", "source_path": truth["image_dir"]}
+        SaveCased("pred", tmp_path / str(workers), LABELS, write_rtstruct=True, workers=workers)(data)
+        assert len(threads) == 3
+        if where:
+            assert set(threads.values()) == where
+        else:
+            assert all(name.startswith("save_case") for name in threads.values()), threads

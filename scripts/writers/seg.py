@@ -33,6 +33,18 @@ def with_type_2(slices: Sequence[pydicom.Dataset]) -> list[pydicom.Dataset]:
     return list(slices)
 
 
+def source_images(series: ScannedSeries) -> list[pydicom.Dataset]:
+    """The series' headers as a SEG's source images, completed in place (once is enough): the Type 2 attributes of
+    :func:`with_type_2`, and SliceThickness where it is missing (Type 2, deleted by some anonymisers: the SEG's pixel
+    measures need it) as the step between slices. :class:`scripts.outputs.SaveCased` completes them before its
+    writers read them side by side."""
+    source = with_type_2([ds for _, ds in series.headers])
+    for ds in source:
+        if ds.get("SliceThickness") in (None, ""):
+            ds.SliceThickness = round(float(np.linalg.norm(series.affine[:3, 2])), 6)
+    return source
+
+
 def algorithm_identification(version: str) -> hd.AlgorithmIdentificationSequence:
     """Who made the segmentation: this bundle, at ``version`` (recorded in every object written)."""
     return hd.AlgorithmIdentificationSequence(
@@ -56,15 +68,11 @@ def write_dicom_seg(
     ``image_dir``: the series' folder or files, or its :class:`~scripts.dicom.ScannedSeries` (headers read once for
     all of a case's objects; the empty Type 2 attributes and a missing SliceThickness are filled in there).
     """
-    headers, affine = scan_ct_series(image_dir, resample=True)  # every slice as acquired, whatever its spacing
+    series = scan_ct_series(image_dir, resample=True)  # every slice as acquired, whatever its spacing
+    headers = series.headers
     if labels.shape != (int(headers[0][1].Columns), int(headers[0][1].Rows), len(headers)):
         raise ValueError(f"{headers[0][0].parent}: prediction shape {labels.shape} does not match the series' grid.")
-    source = with_type_2([ds for _, ds in headers])
-    for (
-        ds
-    ) in source:  # Type 2, deleted by some anonymisers: the SEG's pixel measures need it, as the step between slices
-        if ds.get("SliceThickness") in (None, ""):
-            ds.SliceThickness = round(float(np.linalg.norm(affine[:3, 2])), 6)
+    source = source_images(series)
     frames = np.ascontiguousarray(labels.transpose(2, 1, 0))  # [slice, row, column], as the CT stores pixels
     seg = hd.seg.Segmentation(
         source_images=source,
