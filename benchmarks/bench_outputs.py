@@ -18,10 +18,11 @@ its network, stage by stage, transform by transform and output by output (:attr:
 last_seconds`: each output's own seconds, which overlap when the writers run side by side), a row per mask::
 
     python -m benchmarks.bench_outputs [--slices 100] [--pathology none] [--repeats 3] [--masks tumour,thorax]
-                                       [--outputs all] [--output_dir DIR]
+                                       [--outputs all] [--workers N] [--output_dir DIR]
 
 ``--outputs all``: every writer ``configs/inference.yaml`` turns on by default; ``--outputs kit``: the NIfTI and the
-DICOM SEG alone, what the GPU kit's full-CT inference writes (``benchmarks/gpu_proof.py``).
+DICOM SEG alone, what the GPU kit's full-CT inference writes (``benchmarks/gpu_proof.py``). ``--workers``: how many
+writers :class:`scripts.outputs.SaveCased` runs side by side (1: one after the other; default: its own).
 
 Each repeat runs the case again in the same process (the first pays Python's and the libraries' first calls, and is
 reported apart). It also checks what was written: the tumour's volume against the phantom's analytic one, and that
@@ -114,6 +115,7 @@ def main(
     profile: bool = False,
     masks: str | tuple = MASKS,
     outputs: str = "all",
+    workers: int | None = None,
 ) -> dict:
     """Write the case, run it ``repeats`` + 1 times for each of ``masks``, print the seconds per stage and per
     transform (``profile``: and cProfile's 40 costliest calls of each mask's last run)."""
@@ -128,10 +130,10 @@ def main(
         weights = _weights(folder / "models" / "model.pt")
         results = {}
         for mask in masks:
-            runs = [_run(folder, weights, truth, mask, f"{mask}-{r}", profile and r == repeats, OUTPUTS[outputs])
-                    for r in range(int(repeats) + 1)]  # fmt: skip
+            runs = [_run(folder, weights, truth, mask, f"{mask}-{r}", profile and r == repeats, OUTPUTS[outputs],
+                         workers) for r in range(int(repeats) + 1)]  # fmt: skip
             results[mask] = _summary(runs, truth)
-        result = {"slices": int(slices), "outputs": outputs, "masks": results}
+        result = {"slices": int(slices), "outputs": outputs, "workers": workers, "masks": results}
         print(format_result(result))
         return result
     finally:
@@ -139,7 +141,9 @@ def main(
             shutil.rmtree(folder, ignore_errors=True)
 
 
-def _run(folder: Path, weights: Path, truth: dict, mask: str, name: str, profile: bool, writers: dict) -> dict:
+def _run(
+    folder: Path, weights: Path, truth: dict, mask: str, name: str, profile: bool, writers: dict, workers: int | None
+) -> dict:
     """One run of the case through ``configs/inference.yaml`` with the oracle for ``mask``: its seconds, stages and
     transforms, the tumour it wrote and its flags."""
     from monai.bundle import ConfigWorkflow
@@ -154,6 +158,8 @@ def _run(folder: Path, weights: Path, truth: dict, mask: str, name: str, profile
     settings = dict(parser["sliding_window_inferer"])  # the shipped inferer's settings, resolved below
     kwargs = {k: parser.get_parsed_content(f"sliding_window_inferer#{k}") for k in settings if k != "_target_"}
     parser["sliding_window_inferer"] = OracleInferer(truth, mask, **kwargs)
+    if workers is not None:
+        parser["save_case#workers"] = int(workers)
     transforms = _timed(parser)
     save_case = parser.get_parsed_content("save_case")  # the writer the evaluator's post-processing ends with
     profiler = cProfile.Profile() if profile else None
@@ -249,6 +255,8 @@ def format_result(result: dict) -> str:
     """A row per mask (the seconds after the network: post-processing, and writing the report and every output), then
     each mask's stages and post-processing transforms."""
     which = "every output on" if result.get("outputs", "all") == "all" else "the GPU kit's outputs (NIfTI, SEG)"
+    if result.get("workers") is not None:
+        which += f", {result['workers']} writer(s) side by side"
     lines = [f"seconds per case, a 512 x 512 x {result['slices']} chest CT, {which} (median of the warm runs):",
              "| mask | written | flagged | postprocess | write (report + every output) | postprocess + write | total |",
              "|---|---|---|---|---|---|---|"]  # fmt: skip
