@@ -404,37 +404,41 @@ class OpenVinoNetwork(torch.nn.Module):
         logger.info("OpenVINO %s on the CPU, %s, %d threads in %d stream(s): %s in %.1f s (%s)", openvino.__version__,
                     precision, self.threads, self.streams, "loaded" if cached else "compiled", self.compile_s,
                     cache if "CACHE_DIR" in config else "not cached: the folder is read-only")  # fmt: skip
-        self.queue = openvino.AsyncInferQueue(self.compiled, self.streams)
-        # a function of the module, not a method: the queue holds its callback, and a bound method would hold this
-        # module, its queue and its compiled model in a cycle that Python's collector cannot see through OpenVINO's
-        # objects -- each network made and dropped stayed in memory with its streams' threads (~260 MB and 3 threads
-        # for f12 bf16 on 2 cores)
-        self.queue.set_callback(_store_logits)
+        # one request per stream, started and waited for from this thread: no Python callback runs on OpenVINO's
+        # threads. (An AsyncInferQueue's callback took the GIL on a stream's thread after wait_all() had returned;
+        # destroying the compiled model, which holds the GIL and joins those threads, then waited forever: reproduced
+        # under load in tests/test_backends.py, it hung a clean clone's suite.)
+        self.requests = [self.compiled.create_infer_request() for _ in range(self.streams)]
         # OpenVINO's objects are destroyed only by release(), never when this module is dropped (_KEPT says why), and
         # never in a forked child (_keep_inherited_openvino)
-        self._kept = (self.queue, self.compiled, _FORKS[0])
+        self._kept = (self.requests, self.compiled, _FORKS[0])
         _KEPT[id(self._kept)] = self._kept
 
     def release(self) -> bool:
         """Destroy OpenVINO's objects now (a server replacing the weights it serves), unless this process has forked
         since they were made: then they stay for the life of the process (:data:`_KEPT`). True if destroyed."""
-        queue, _, forks = self._kept
+        requests, _, forks = self._kept
         if forks != _FORKS[0]:
             logger.info("OpenVINO's compiled model %s kept: this process has forked since it was made", self.model_file)
             return False
-        queue.wait_all()
+        for request in requests:
+            request.wait()
         del _KEPT[id(self._kept)]
-        self.__dict__.pop("queue", None)
+        self.__dict__.pop("requests", None)
         self.__dict__.pop("compiled", None)
         self._kept = (None, None, forks)
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         array = torch.as_tensor(x).detach().to("cpu", torch.float32).numpy()
-        logits: list[np.ndarray | None] = [None] * array.shape[0]
-        for i in range(array.shape[0]):  # up to `streams` windows at once, each as its stream is free
-            self.queue.start_async({0: np.ascontiguousarray(array[i : i + 1])}, (logits, i))
-        self.queue.wait_all()
+        logits: list[np.ndarray] = []
+        for start in range(0, array.shape[0], len(self.requests)):  # `streams` windows at once (they take as long)
+            running = list(zip(self.requests, range(start, min(start + len(self.requests), array.shape[0]))))
+            for request, i in running:
+                request.start_async({0: np.ascontiguousarray(array[i : i + 1])})
+            for request, _ in running:
+                request.wait()
+                logits.append(np.array(request.get_output_tensor(0).data))  # a copy: the request's buffer is reused
         return torch.from_numpy(np.concatenate(logits) if len(logits) > 1 else logits[0])
 
     def extra_repr(self) -> str:
@@ -509,7 +513,7 @@ def _read_json(path: Path) -> dict:
     return found if isinstance(found, dict) else {}
 
 
-#: every network's OpenVINO objects (infer queue, compiled model, this process's fork count when made), kept for the
+#: every network's OpenVINO objects (infer requests, compiled model, this process's fork count when made), kept for the
 #: life of the process unless :meth:`OpenVinoNetwork.release` destroys them. OpenVINO 2026.4 corrupts the heap of a
 #: process that destroys compiled models after a fork (a DataLoader worker) made while two or more were alive: the
 #: next subprocess that process starts dies with SIGSEGV (reproduced in tests/test_backends.py; it killed pytest
@@ -529,20 +533,14 @@ def _keep_inherited_openvino() -> None:
     there. OpenVINO's destructor waits for its streams' threads, which a forked child does not have: a child that
     destroyed an inherited network (or ended as a Python program ends, clearing :data:`_KEPT`) waited forever. One
     reference more, never given back, keeps them; the child's memory is its own copy."""
-    for queue, compiled, _ in list(_KEPT.values()):
-        for part in (queue, compiled):
+    for requests, compiled, _ in list(_KEPT.values()):
+        for part in (requests, compiled):
             if part is not None:
                 ctypes.pythonapi.Py_IncRef(ctypes.py_object(part))
 
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(before=_count_fork, after_in_child=_keep_inherited_openvino)
-
-
-def _store_logits(request: Any, userdata: tuple[list, int]) -> None:
-    """OpenVINO's callback when a window is done: its logits into the list and place the window was started with."""
-    logits, index = userdata
-    logits[index] = np.array(request.get_output_tensor(0).data)  # a copy: the request's buffer is reused
 
 
 class LazyNetwork(torch.nn.Module):

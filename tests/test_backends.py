@@ -351,10 +351,10 @@ def test_the_export_is_keyed_by_the_weights_the_network_holds_not_by_its_file(tm
 
 
 def test_a_released_openvino_network_is_freed_with_its_threads_and_a_dropped_one_is_kept(tmp_path):
-    """A server that compiles new weights releases the old compiled model: nothing of it stays (its queue's callback
-    holds no reference back to it), so threads do not grow with each new set of weights. A network a run merely drops
-    keeps OpenVINO's objects for the life of the process (scripts.backends._KEPT: destroyed after a fork, they corrupt
-    the heap; the next test)."""
+    """A server that compiles new weights releases the old compiled model: nothing of it stays (no callback of
+    OpenVINO's holds a reference back to it), so threads do not grow with each new set of weights. A network a run
+    merely drops keeps OpenVINO's objects for the life of the process (scripts.backends._KEPT: destroyed after a
+    fork, they corrupt the heap; a later test)."""
     import gc
     import weakref
 
@@ -403,6 +403,38 @@ for _ in range(3):
     subprocess.run(["true"], check=True)
 print("released", released, "ok")
 """
+
+
+RELEASE_CYCLES = """
+import sys
+sys.path[:0] = [{root!r}, {tests!r}]
+import torch
+from scripts.backends import OpenVinoNetwork
+x = torch.rand(4, 1, 16, 16, 8)
+for cycle in range(40):
+    network = OpenVinoNetwork({model!r}, threads=2, precision="f32")
+    network(x)
+    assert network.release()
+print("released 40")
+"""
+
+
+def test_networks_released_one_after_another_on_a_loaded_cpu_never_wait_forever(tmp_path):
+    """A server replacing its weights, while other processes keep the CPUs busy: 40 networks made, run and released
+    in turn. With OpenVINO's AsyncInferQueue a stream's thread took the GIL for the Python callback after wait_all()
+    had returned, and the release -- which holds the GIL while it joins those threads -- waited forever, at the second
+    or third network (this test timed out; it hung a clean clone's suite)."""
+    network, weights = saved(small_network(0), tmp_path / "model.pt")
+    model_file = onnx_file(network, weights, WINDOW)
+    script = RELEASE_CYCLES.format(root=str(ROOT), tests=str(ROOT / "tests"), model=str(model_file))
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    finally:
+        for process in busy:
+            process.kill()
+            process.wait()
+    assert result.returncode == 0 and "released 40" in result.stdout, result.stderr[-2000:]
 
 
 def test_networks_alive_at_a_fork_are_never_destroyed_after_it(tmp_path):
