@@ -233,7 +233,7 @@ def export(network: torch.nn.Module, model_file: Path, window: Sequence[int], ke
     ``<model_file>.json`` with the cache key and the file's SHA-256; both written whole or not at all."""
 
     shape = (1, 1, *(int(w) for w in window))
-    logger.info("exporting %s to ONNX for ONNX Runtime (once per weights file and settings) -> %s", weights,
+    logger.info("exporting %s to ONNX for the CPU runtime (once per weights file and settings) -> %s", weights,
                 model_file)  # fmt: skip
     start = time.perf_counter()
     was_training = network.training
