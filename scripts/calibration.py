@@ -29,7 +29,7 @@ import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -37,6 +37,9 @@ from monai.data import MetaTensor
 from monai.transforms import Compose
 from monai.utils.enums import MetaKeys
 from scripts.inputs import InferenceInputError, find_inputs, load_case
+
+if TYPE_CHECKING:
+    from scripts.inferers import FallbackSlidingWindowInferer
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +50,8 @@ PHANTOM_SHAPE = (512, 512, 100)
 PHANTOM_SPACING = (0.9765625, 0.9765625, 3.0)
 #: windows taken from each CT: several CTs with a few windows each cover more anatomy than one CT's every window
 WINDOWS_PER_CASE = 4
+#: what of the sliding window shapes the windows besides their size, in the key
+INFERER_SETTINGS = ("spacing", "hu_window", "region", "margin_mm", "overlap")
 #: bump when the way windows are chosen changes: every quantised model is then calibrated again
 VERSION = 1
 
@@ -61,26 +66,25 @@ class Calibration:
     ``preprocessing``: the config's ``ct_transforms`` (a CT as :func:`scripts.inputs.load_case` reads it -> the
     network's input), or the path of a config that defines them (read when the windows are made: MONAI Label's
     inferer, which the config builds without them); ``inferer``: ``sliding_window_inferer``, whose windows are
-    recorded; ``out_channels``: what the recorded network returns per window (the inferer stitches it, then it is
-    discarded). ``settings``: what else shapes the windows (spacing, HU window, region), for the key."""
+    recorded, and whose window and settings (:data:`INFERER_SETTINGS`) shape them, for the key; ``out_channels``: what
+    the recorded network returns per window (the inferer stitches it, then it is discarded)."""
 
     def __init__(
         self,
         source: str | Path | None,
         count: int,
-        window: Sequence[int],
         preprocessing: Sequence[Callable] | str | Path,
-        inferer: Callable[..., Any],
+        inferer: FallbackSlidingWindowInferer,
         out_channels: int = 2,
-        settings: Mapping[str, Any] | None = None,
     ) -> None:
         if int(count) < 1:
             raise CalibrationError(f"int8_calibration_windows={count}: at least one window is needed.")
         self.source = None if source in (None, "", "null") else Path(source)
-        self.count, self.window = int(count), [int(w) for w in window]
+        self.count, self.window = int(count), [int(w) for w in inferer.roi_size]
         self.preprocessing, self.inferer = preprocessing, inferer
         self.out_channels = int(out_channels)
-        self.settings = dict(settings or {})
+        # the bundle's run (sliding_window_inferer) and MONAI Label (its inferer) give the same settings: one model
+        self.settings = {name: getattr(inferer, name) for name in INFERER_SETTINGS}
         self._cases: list[dict] | None = None
         self._planned = 0  # the cases meant to give the windows; the others give what these lack
 
@@ -113,7 +117,7 @@ class Calibration:
         ``count``, spread evenly over the windows its sliding window runs (MONAI's order: along the last axis first);
         a case with fewer windows than its share leaves the rest to the next cases."""
         cases = self.cases()
-        inferer = copy.deepcopy(self.inferer)  # its record of the last case is the run's, not calibration's
+        inferer = copy.copy(self.inferer)  # what it records of a case (last, ...) is set on the copy, not the run's
         preprocessing = Compose(_ct_transforms(self.preprocessing))
         chosen: list[np.ndarray] = []
         for number, case in enumerate(cases):

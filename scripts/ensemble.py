@@ -211,7 +211,7 @@ def ensemble(
                 raise ValueError(f"backend {backend}: give the sliding window's shape (window=roi_size).")
             if backend == "openvino":
                 make = functools.partial(openvino_network, member, path, window, cache_dir, threads, precision,
-                                         calibration if precision == "int8" else None)  # fmt: skip
+                                         calibration)  # fmt: skip
             else:
                 make = functools.partial(onnx_network, member, path, window, cache_dir, threads)
             member = LazyNetwork(make, f"{backend} {precision}: {path}, exported and compiled when first used")

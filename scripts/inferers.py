@@ -202,19 +202,13 @@ class RuntimeSlidingWindowInferer(FallbackSlidingWindowInferer):
 
     def _calibration(self) -> Calibration:
         """int8's calibration windows: from ``calibration`` (as ``int8_calibration``), through the CT preprocessing of
-        ``config_file`` (the config this inferer is built from) and this sliding window's region."""
+        ``config_file`` (the config this inferer is built from) and this sliding window (the recorder that stands in
+        for the network is no module, so it runs as it is)."""
         from scripts.calibration import Calibration
 
         if not self.config_file:
             raise ValueError("cpu_precision int8 in the inferer: give config_file, the config holding ct_transforms.")
-        plain = FallbackSlidingWindowInferer(self.roi_size, self.sw_batch_size, self.overlap, region=self.region,
-                                             spacing=self.spacing, hu_window=self.hu_window,
-                                             margin_mm=self.margin_mm)  # fmt: skip
-        # the settings train.yaml's calibration names: the bundle's run and MONAI Label share one quantised model
-        settings = {"spacing": self.spacing, "hu_window": self.hu_window, "region": self.region,
-                    "margin_mm": self.margin_mm}  # fmt: skip
-        return Calibration(self.calibration, self.calibration_windows, self.roi_size, self.config_file, plain,
-                           settings=settings)  # fmt: skip
+        return Calibration(self.calibration, self.calibration_windows, self.config_file, self)
 
 
 class SameDeviced(MapTransform):

@@ -61,7 +61,7 @@ def every_window(path: Path) -> torch.Tensor:
 
 
 def test_the_windows_are_those_inference_runs_spread_over_the_region_and_the_cases(ct_folder):
-    calibration = Calibration(ct_folder, 6, WINDOW, PREPROCESSING, inferer())
+    calibration = Calibration(ct_folder, 6, PREPROCESSING, inferer())
     assert [case["case_id"] for case in calibration.cases()] == ["case0", "case2", "case1"], "2 CTs of 3 planned"
     windows = calibration.windows()
     assert len(windows) == 6 and all(w.shape == (1, 1, *WINDOW) and w.dtype == np.float32 for w in windows)
@@ -71,15 +71,16 @@ def test_the_windows_are_those_inference_runs_spread_over_the_region_and_the_cas
                  for w in chosen]  # fmt: skip
         assert found[0] == 0 and found[2] == run.shape[0] - 1 > 3, f"{case}: the first and the last of {run.shape[0]}"
         assert abs(found[1] - (run.shape[0] - 1) / 2) <= 0.5, f"{case}: and the middle one"
-    assert Calibration(ct_folder, 6, WINDOW, PREPROCESSING, inferer()).windows()[4].tobytes() == windows[4].tobytes()
+    assert Calibration(ct_folder, 6, PREPROCESSING, inferer()).windows()[4].tobytes() == windows[4].tobytes()
 
 
 def test_the_key_changes_with_the_cases_their_number_and_the_settings(ct_folder, tmp_path):
-    def key(folder=ct_folder, count=6, settings=None):
-        return Calibration(folder, count, WINDOW, PREPROCESSING, inferer(), settings=settings or {"spacing": 4}).key
+    def key(folder=ct_folder, count=6, spacing=(4.0, 4.0, 6.0)):
+        region = FallbackSlidingWindowInferer(WINDOW, 4, 0.25, region="body", spacing=spacing)
+        return Calibration(folder, count, PREPROCESSING, region).key
 
     assert key() == key()
-    assert key(count=5) != key() and key(settings={"spacing": 3}) != key()
+    assert key(count=5) != key() and key(spacing=(3.0, 3.0, 6.0)) != key()
     copy = tmp_path / "copy"
     copy.mkdir()
     for path in ct_folder.iterdir():
@@ -92,7 +93,7 @@ def test_the_key_changes_with_the_cases_their_number_and_the_settings(ct_folder,
 def test_cases_with_few_windows_leave_the_rest_to_the_next_cases(ct_folder):
     """Small CTs (the demo's) hold fewer windows than their share: the windows asked for still come, from more CTs."""
     big = (48, 48, 16)
-    calibration = Calibration(ct_folder, 8, big, PREPROCESSING, FallbackSlidingWindowInferer(big, 4, 0.25))
+    calibration = Calibration(ct_folder, 8, PREPROCESSING, FallbackSlidingWindowInferer(big, 4, 0.25))
     windows = calibration.windows()
     assert len(windows) == 8 and len({w.tobytes() for w in windows}) == 8
 
@@ -103,7 +104,7 @@ def test_a_datalist_gives_its_training_cases_only(ct_folder, tmp_path):
         "training": [{"image": str(ct_folder / "case1.nii.gz"), "case_id": "train-1"}],
         "validation": [{"image": str(ct_folder / "case0.nii.gz"), "case_id": "val-0"}],
         "test": [{"image": str(ct_folder / "case2.nii.gz"), "case_id": "test-2"}]}))  # fmt: skip
-    calibration = Calibration(datalist, 8, WINDOW, PREPROCESSING, inferer())
+    calibration = Calibration(datalist, 8, PREPROCESSING, inferer())
     assert [case["case_id"] for case in calibration.cases()] == ["train-1"]
     assert len(calibration.windows()) == 8, "one case gives every window asked for (it has more)"
 
@@ -115,17 +116,17 @@ def test_a_source_without_a_ct_is_refused_naming_it(tmp_path):
         if source.suffix == ".json":
             source.write_text("[]")
         with pytest.raises(CalibrationError, match=message) as caught:
-            Calibration(source, 4, WINDOW, PREPROCESSING, inferer()).windows()
+            Calibration(source, 4, PREPROCESSING, inferer()).windows()
         assert "--int8_calibration" in str(caught.value)
     with pytest.raises(CalibrationError, match="at least one window"):
-        Calibration(None, 0, WINDOW, PREPROCESSING, inferer())
+        Calibration(None, 0, PREPROCESSING, inferer())
 
 
 def test_without_a_source_the_chest_phantom_goes_through_the_configs_own_preprocessing():
     """MONAI Label's inferer passes the config file: its ct_transforms (1 x 1 x 3 mm, HU window) and the thorax's
     96^3 windows over a 512 x 512 chest; the windows hold lung air and soft tissue."""
     region = FallbackSlidingWindowInferer((96, 96, 96), 4, 0.25, region="thorax", spacing=(1.0, 1.0, 3.0))
-    calibration = Calibration(None, 2, (96, 96, 96), ROOT / "configs" / "inference.yaml", region)
+    calibration = Calibration(None, 2, ROOT / "configs" / "inference.yaml", region)
     assert calibration.cases()[0]["case_id"] == "phantom-none"
     windows = calibration.windows()
     assert len(windows) == 2 and windows[0].shape == (1, 1, 96, 96, 96)
