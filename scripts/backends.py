@@ -393,6 +393,7 @@ class OpenVinoNetwork(torch.nn.Module):
                 model: Any = str(self.model_file)
                 if precision == "int8":  # quantised once (kept in the cache folder), then compiled as the others
                     model = quantized_model(self.model_file, calibration, cache if "CACHE_DIR" in config else None)
+                    start = time.perf_counter()  # quantisation logs its own seconds: the line below is compilation's
                 cached = cache.is_dir() and any(cache.glob("*.blob"))
                 self.compiled = openvino.Core().compile_model(model, "CPU", config)
         except Exception as err:  # OpenVINO raises its own exception types
