@@ -23,7 +23,9 @@ Where the device's time goes: every kernel, copy and memset on the device's time
 ``gpu_memcpy``, ``gpu_memset``) is counted in one class of :data:`KERNEL_CLASSES` (convolution, matrix product /
 attention, normalisation, layout conversion and copies, element-wise, reductions, softmax, memcpy/memset, other),
 by a small ordered table of name patterns that holds CUDA's and ROCm's names alike; per class the count, the device
-time and its share of all device time (the same total as ``key_averages()``'s self device time). And the device's
+time and its share of all device time (the same total as ``key_averages()``'s self device time), and its longest
+kernels by name (:data:`TOP_KERNELS` of them: what a class's time is, e.g. which fused kernel of torch.compile holds a
+softmax). And the device's
 idle share of the profiled steps: the wall time of the ``ProfilerStep#N`` ranges torch.profiler's schedule records
 (their union) less the union of the device intervals inside them (kernels overlapping on several streams count
 once); a trace without them (a profiler started and stopped by hand) is measured over the span from the first
@@ -31,10 +33,11 @@ device start to the last device end instead, and says so.
 
 What is kept: :data:`KINDS`, one table, declares every kind of event the summary is made of (section ranges,
 launches, kernels, copies, profiled steps): what it is kept for, the literal the text of every such event holds, and
-the numbers kept of it (doubles, in one flat array per kind: 24 bytes a launch, 32 a kernel, 16 a copy). One pass;
+the numbers kept of it (doubles, in one flat array per kind: 24 bytes a launch, 40 a kernel, 16 a copy). One pass;
 events may come in any order. The class of a kernel is kept as its index in the class table (names are classified
-once each, through a bounded cache); the idle share sorts the device intervals' starts and their ends, each into an
-array of doubles, once, at the end.
+once each, through a bounded cache), its name as a number (the first :data:`NAMES_KEPT` distinct names are numbered;
+a kernel of any later name counts as "other names"); the idle share sorts the device intervals' starts and their
+ends, each into an array of doubles, once, at the end.
 
 Parsing (``parser``), in one process: ``"auto"`` (default, standard library) reads text in 1 MiB chunks and skims
 it, whatever the layout and however layouts are mixed in one file (kineto's templates of any year, one event a line,
@@ -166,6 +169,12 @@ TRANSFER_CATEGORIES = frozenset({"gpu_memcpy", "gpu_memset"})
 #: torch.profiler's range around each profiled step (``ProfilerStep#<n>``): the wall time of the idle share
 PROFILER_STEP = "ProfilerStep#"
 _CLASS_CACHE = 4096  # kernel names whose class is remembered (a network has hundreds; the cache bounds a strange one)
+#: Distinct kernel names numbered for the longest-kernel lists (a compiled network has a few thousand at most); the
+#: kernels of any name after these count together, as :data:`OTHER_NAMES`.
+NAMES_KEPT = 4096
+OTHER_NAMES = f"(kernels of names beyond the first {NAMES_KEPT})"
+#: The longest kernels by name listed per class.
+TOP_KERNELS = 3
 
 # API-version and per-thread-stream suffixes some tracers keep: cudaLaunchKernel_v7000, cudaLaunchKernel_ptsz.
 _NAME_SUFFIX = re.compile(r"(?:_v\d+|_ptsz|_ptds|_spt)+$")
@@ -191,13 +200,32 @@ class TraceError(ValueError):
 
 
 # ------------------------------------------------------------------------------------------------- kinds of event
+class _Numbers(dict):
+    """The numbers that stand for threads (``(pid, tid)``) and section names in the kept rows -- a key is numbered
+    when first seen -- and, apart, for kernel names (:meth:`kernel`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kernels: dict[str, int] = {}
+
+    def kernel(self, name: str) -> int:
+        """The number of a kernel name: the first :data:`NAMES_KEPT` distinct names are numbered from 0, any later
+        one is -1 (:data:`OTHER_NAMES`), so memory stays bounded whatever the trace holds."""
+        number = self.kernels.get(name)
+        if number is None:
+            if len(self.kernels) >= NAMES_KEPT:
+                return -1
+            number = self.kernels[name] = len(self.kernels)
+        return number
+
+
 class Kind(NamedTuple):
     """One kind of event the summary is made of: a row of :data:`KINDS`."""
 
     kept_for: str  # what the summary uses it for
     marker: str  # a literal the text of every such event holds: the skimmer decodes only events holding a marker
     fields: tuple[str, ...]  # the numbers kept of each event, in this order, as doubles
-    row: Callable[[dict, dict], tuple[float, ...] | None]  # them (None: not this kind), from a decoded "X" event
+    row: Callable[[dict, _Numbers], tuple[float, ...] | None]  # them (None: not this kind), from a decoded "X" event
 
 
 # Correlation ids are kept as doubles: exact below 2**53 (CUDA's and HIP's are 32-bit); a kernel or launch whose id is
@@ -205,17 +233,18 @@ class Kind(NamedTuple):
 _MAX_CORRELATION = 1 << 53
 
 
-def _kernel_row(ev: dict, numbers: dict) -> tuple[float, ...] | None:
-    """(correlation, start, end, class) of a kernel (``cat == "kernel"``); class: its index in :data:`CLASS_ORDER`."""
+def _kernel_row(ev: dict, numbers: _Numbers) -> tuple[float, ...] | None:
+    """(correlation, start, end, class, name) of a kernel (``cat == "kernel"``); class: its index in
+    :data:`CLASS_ORDER`; name: its number (:meth:`_Numbers.kernel`)."""
     if ev.get("cat") != "kernel":
         return None
-    corr, ts = int(ev["args"]["correlation"]), float(ev["ts"])
+    corr, ts, name = int(ev["args"]["correlation"]), float(ev["ts"]), str(ev.get("name", ""))
     if not 0 < corr < _MAX_CORRELATION:
         raise ValueError(corr)
-    return corr, ts, ts + float(ev["dur"]), _class_index(str(ev.get("name", "")))
+    return corr, ts, ts + float(ev["dur"]), _class_index(name), numbers.kernel(name)
 
 
-def _transfer_row(ev: dict, numbers: dict) -> tuple[float, ...] | None:
+def _transfer_row(ev: dict, numbers: _Numbers) -> tuple[float, ...] | None:
     """(start, end) of a copy or memset on the device's timeline (:data:`TRANSFER_CATEGORIES`)."""
     if ev.get("cat") not in TRANSFER_CATEGORIES:
         return None
@@ -223,7 +252,7 @@ def _transfer_row(ev: dict, numbers: dict) -> tuple[float, ...] | None:
     return ts, ts + float(ev["dur"])
 
 
-def _step_row(ev: dict, numbers: dict) -> tuple[float, ...] | None:
+def _step_row(ev: dict, numbers: _Numbers) -> tuple[float, ...] | None:
     """(start, end) of a ``ProfilerStep#<n>`` range on the CPU timeline (its GPU-timeline copy is not one)."""
     name = ev.get("name")
     if not name.startswith(PROFILER_STEP) or str(ev.get("cat", "")).startswith("gpu_"):
@@ -257,7 +286,7 @@ def _is_suffixed_launch(name: str) -> bool:
     return "_" in name and _NAME_SUFFIX.sub("", name) in LAUNCH_NAMES
 
 
-def _launch_row(ev: dict, numbers: dict) -> tuple[float, ...] | None:
+def _launch_row(ev: dict, numbers: _Numbers) -> tuple[float, ...] | None:
     """(thread number, ts, correlation) of a launch: a runtime call named in :data:`LAUNCH_NAMES` (or with a suffix)."""
     name = ev.get("name")
     if name not in LAUNCH_NAMES and not (name.startswith(("cu", "hip")) and _is_suffixed_launch(name)):
@@ -268,7 +297,7 @@ def _launch_row(ev: dict, numbers: dict) -> tuple[float, ...] | None:
     return numbers.setdefault(thread, len(numbers)), ts, corr
 
 
-def _section_row(ev: dict, numbers: dict) -> tuple[float, ...] | None:
+def _section_row(ev: dict, numbers: _Numbers) -> tuple[float, ...] | None:
     """(section-name number, thread number, ts, dur) of a ``__sec:`` range on the CPU timeline (a thread and a
     name are numbered in ``numbers`` when first seen)."""
     name = ev.get("name")
@@ -288,7 +317,7 @@ KINDS = {
         "forward/backward's accelerator time (first start to last end of the kernels their launches started); the "
         "device time per class and the idle share",
         '"correlation"',  # a kernel is kept only with its args' correlation id
-        ("correlation", "start", "end", "class"),
+        ("correlation", "start", "end", "class", "name"),
         _kernel_row,
     ),
     "transfer": Kind(
@@ -328,7 +357,7 @@ class _Collected:
 
     def __init__(self) -> None:
         self.rows = {name: array("d") for name in KINDS}
-        self.numbers: dict[Any, int] = {}  # a thread's (pid, tid) or a section's name -> its number
+        self.numbers = _Numbers()  # a thread's (pid, tid) or a section's name -> its number; kernel names apart
         self.meta: dict[str, Any] = {}
         self.decoded = self.skipped = 0
         self.skimmed = False  # some events were counted without being decoded
@@ -374,7 +403,8 @@ def summarize(path: str | Path, parser: str = "auto", work: dict[str, int] | Non
 
     Returns ``{"sections": {name: {"count", "min_s", "mean_s", "median_s", "max_s"}}, "sources": {name:
     "kernels" | "cpu" | "mixed"}, "trace": str, "events": int, "launches": int, "kernels": int, "parser": str,
-    "device": {"events", "ms", "classes": {class: {"count", "ms", "share"}}}, "idle": {"window", "ranges", "wall_ms",
+    "device": {"events", "ms", "classes": {class: {"count", "ms", "share"}}, "top": {class: [{"name", "count", "ms",
+    "share"}]}}, "idle": {"window", "ranges", "wall_ms",
     "busy_ms", "idle_ms", "share"} | None}`` plus ``"devices"`` (GPU names) when the trace records them.
     ``sections`` is ordered as :data:`SECTION_ORDER`, ``classes`` as :data:`CLASS_ORDER` (shares of ``device.ms``,
     0 to 1); ``idle`` is None without device activity (a CPU run). ``work``, a dict, receives what reading cost
@@ -457,7 +487,20 @@ def format_device_table(device: dict[str, Any], idle: dict[str, Any] | None) -> 
             f"device idle {100 * idle['share']:.1f} % {where}: {idle['idle_ms']:.3f} ms without a kernel, copy or "
             "memset running"
         )
+    if device.get("top"):
+        lines += [
+            "",
+            f"the longest kernels of each class, by name (at most {TOP_KERNELS}; names cut at {_NAME_WIDTH}):",
+        ]
+        for name, kernels in device["top"].items():
+            lines.append(name)
+            for k in kernels:
+                cut = k["name"] if len(k["name"]) <= _NAME_WIDTH else k["name"][: _NAME_WIDTH - 3] + "..."
+                lines.append(f"  {k['count']:>6} x {k['ms']:>10.3f} ms {100 * k['share']:>5.1f} %  {cut}")
     return lines
+
+
+_NAME_WIDTH = 110  # characters of a kernel's name the text table shows (C++ template names run to thousands)
 
 
 def main(trace: str, format: str = "text", parser: str = "auto") -> None:
@@ -830,7 +873,7 @@ def _resolve(c: _Collected) -> tuple[dict[str, list[float]], dict[str, str]]:
     owners_of = _launch_owners(ranges, process_of, *c.columns("launch"))
     first: dict[int, float] = {}
     last: dict[int, float] = {}
-    corrs, starts, ends, _ = c.columns("kernel")
+    corrs, starts, ends, _, _ = c.columns("kernel")
     for corr, start, end in zip(corrs, starts, ends):
         for rid in owners_of(int(corr)):
             if start < first.get(rid, start + 1.0):
@@ -854,11 +897,19 @@ def _resolve(c: _Collected) -> tuple[dict[str, list[float]], dict[str, str]]:
 
 def device_time(c: _Collected) -> dict[str, Any]:
     """Device time per class of :data:`CLASS_ORDER`: every kernel in its class, copies and memsets in memcpy/memset;
-    per class the count, the milliseconds and the share of all device time (0 when there is none)."""
+    per class the count, the milliseconds and the share of all device time (0 when there is none). ``top``: per class
+    that has kernels, its :data:`TOP_KERNELS` longest kernels by name (name, count, ms, share of all device time),
+    longest first; the copies and memsets of the device's timeline are not named there (they are not kernels)."""
     counts, us = [0] * len(CLASS_ORDER), [0.0] * len(CLASS_ORDER)
-    for index, start, end in zip(c.column("kernel", "class"), c.column("kernel", "start"), c.column("kernel", "end")):
+    # (name number, class index) -> [count, µs]: one entry a name (the kernels of OTHER_NAMES: one entry a class)
+    by_name: dict[tuple[int, int], list[float]] = {}
+    _, starts, ends, classes_of, names_of = c.columns("kernel")
+    for start, end, index, name in zip(starts, ends, classes_of, names_of):
         counts[int(index)] += 1
         us[int(index)] += end - start
+        entry = by_name.setdefault((int(name), int(index)), [0, 0.0])
+        entry[0] += 1
+        entry[1] += end - start
     counts[_TRANSFER_CLASS] += c.count("transfer")
     us[_TRANSFER_CLASS] += sum(map(operator.sub, c.column("transfer", "end"), c.column("transfer", "start")))
     total = sum(us)
@@ -866,7 +917,16 @@ def device_time(c: _Collected) -> dict[str, Any]:
         name: {"count": counts[i], "ms": round(us[i] / 1e3, 6), "share": round(us[i] / total, 6) if total else 0.0}
         for i, name in enumerate(CLASS_ORDER)
     }
-    return {"events": sum(counts), "ms": round(total / 1e3, 6), "classes": classes}
+    names = [*c.numbers.kernels, OTHER_NAMES]  # number -1: the last
+    top: dict[str, list[dict[str, Any]]] = {}
+    # longest first; a tie in the order of the names, so that the events' order in the file never matters
+    for (number, index), (count, time) in sorted(by_name.items(), key=lambda kv: (-kv[1][1], names[kv[0][0]])):
+        listed = top.setdefault(CLASS_ORDER[index], [])
+        if len(listed) < TOP_KERNELS:
+            listed.append({"name": names[number], "count": int(count), "ms": round(time / 1e3, 6),
+                           "share": round(time / total, 6) if total else 0.0})  # fmt: skip
+    top = {name: top[name] for name in CLASS_ORDER if name in top}
+    return {"events": sum(counts), "ms": round(total / 1e3, 6), "classes": classes, "top": top}
 
 
 def idle_share(c: _Collected) -> dict[str, Any] | None:

@@ -402,9 +402,10 @@ def test_busy_time_is_the_union_of_overlapping_intervals_inside_the_steps(tmp_pa
 
 
 def test_what_is_kept_is_a_fixed_few_numbers_per_event_and_one_row_per_class(tmp_path, monkeypatch):
-    """Memory, counted: every kept event costs its kind's fixed number of doubles (kernels 4, launches 3, sections 4,
-    copies and memsets 2, ProfilerStep ranges 2), nothing is kept per kernel name but the bounded cache of their
-    classes, and the device table has one row per class however many distinct names the kernels have."""
+    """Memory, counted: every kept event costs its kind's fixed number of doubles (kernels 5, launches 3, sections 4,
+    copies and memsets 2, ProfilerStep ranges 2); per kernel name only the bounded cache of their classes and the
+    numbers of the first NAMES_KEPT names (the kernels of later names count together, in their class's list of the
+    longest kernels); the device table has one row per class however many distinct names the kernels have."""
     trace = make_trace()
     corr = itertools.count(10_000).__next__
     trace["traceEvents"] += [kernel(50_000 + i, 1, corr(), name=f"void my_kernel_{i}<float>()") for i in range(5000)]
@@ -412,7 +413,7 @@ def test_what_is_kept_is_a_fixed_few_numbers_per_event_and_one_row_per_class(tmp
     st._class_index.cache_clear()
     summary = st.summarize(write(tmp_path / "trace.json", trace, "compact"))
     kept = made[-1]
-    widths = {"kernel": 4, "launch": 3, "section": 4, "transfer": 2, "step": 2}
+    widths = {"kernel": 5, "launch": 3, "section": 4, "transfer": 2, "step": 2}
     assert {name: len(kind.fields) for name, kind in st.KINDS.items()} == widths
     counts = {"kernel": 4 * 7 + 5000, "launch": 4 * 7, "section": 4 * 5, "transfer": 4 * 2, "step": 4}
     assert {name: kept.count(name) for name in widths} == counts
@@ -420,6 +421,12 @@ def test_what_is_kept_is_a_fixed_few_numbers_per_event_and_one_row_per_class(tmp
     assert st._class_index.cache_info().currsize <= st._CLASS_CACHE < 5000
     assert list(summary["device"]["classes"]) == list(st.CLASS_ORDER)
     assert summary["device"]["classes"]["other"]["count"] == 5000
+    assert len(kept.numbers.kernels) == st.NAMES_KEPT < 5000
+    beyond = 5000 - (st.NAMES_KEPT - len({e["name"] for e in make_trace()["traceEvents"] if e.get("cat") == "kernel"}))
+    longest = summary["device"]["top"]["other"]
+    assert longest[0] == {"name": st.OTHER_NAMES, "count": beyond, "ms": beyond / 1e3, "share": pytest.approx(
+        beyond / 1e3 / summary["device"]["ms"], abs=1e-6)}  # fmt: skip
+    assert [k["count"] for k in longest[1:]] == [1, 1]
 
 
 @pytest.mark.parametrize("index", range(len(KERNEL_NAMES["names"])))
@@ -499,6 +506,38 @@ def test_device_classes_add_up_to_key_averages_device_total_on_the_h200_profile(
     profiler_steps = next(r for r in rows if r["name"] == "ProfilerStep*" and r["device_type"] == "CPU")
     assert idle["wall_ms"] == pytest.approx(profiler_steps["cpu_time_total_us"] / 1e3, abs=1e-3)
     assert idle["busy_ms"] <= summary["device"]["ms"] and idle["ranges"] == 2
+
+
+def test_the_longest_kernels_of_each_class_are_key_averages_longest_rows_of_that_class():
+    """Per class, the kernels of one name together, longest first: the same names, counts and milliseconds as the
+    longest rows of key_averages() (one row a name) of the same run classified by the same rules, on the first H200
+    profile (to 1 ns an event, as the classes); copies and memsets are not kernels and are named in no list. The table
+    prints them, names cut."""
+    summary = st.summarize(H200 / "4-chrome_trace.json.gz")
+    rows = json.loads((H200 / "4-key_averages.json").read_text())
+    ranges = {r["name"] for r in rows if r["device_type"] == "CPU"}
+    kernels = [r for r in rows if r["device_type"] != "CPU" and r["name"] not in ranges]
+    kernels = [r for r in kernels if st.kernel_class(r["name"]) != "memcpy/memset"]
+    top = summary["device"]["top"]
+    assert list(top) == [c for c in st.CLASS_ORDER if c != "memcpy/memset"]  # every class with kernels, in order
+    for name, listed in top.items():
+        mine = sorted(
+            (r for r in kernels if st.kernel_class(r["name"]) == name), key=lambda r: -r["device_time_total_us"]
+        )
+        assert [k["name"] for k in listed] == [r["name"] for r in mine[: st.TOP_KERNELS]], name
+        for k, r in zip(listed, mine):
+            assert k["count"] == r["count"] and k["ms"] == pytest.approx(
+                r["device_time_total_us"] / 1e3, abs=k["count"] * 1e-6 + 1e-6
+            )
+            assert k["share"] == pytest.approx(k["ms"] / summary["device"]["ms"], abs=1e-6)
+    assert top["softmax"][0]["name"].startswith("void (anonymous namespace)::softmax_warp_backward<float")
+    text = st.format_table(summary)
+    assert "the longest kernels of each class, by name" in text
+    assert (
+        "      12 x      7.810 ms   2.5 %  void (anonymous namespace)::softmax_warp_backward<float, float, float"
+        in text
+    )
+    assert max(len(line) for line in text.splitlines()) < 160  # C++ names of thousands of characters, cut
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -848,7 +887,7 @@ def test_every_event_a_kind_takes_holds_its_marker_and_the_skimmer_searches_ever
     for ev in events:
         for name, kind in st.KINDS.items():
             try:
-                row = kind.row(ev, {}) if isinstance(ev, dict) and ev.get("ph") == "X" else None
+                row = kind.row(ev, st._Numbers()) if isinstance(ev, dict) and ev.get("ph") == "X" else None
             except (AttributeError, KeyError, TypeError, ValueError):
                 break
             if row is not None:
