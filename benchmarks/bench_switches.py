@@ -52,7 +52,9 @@ def learning_rate_for(patches: int, base: float = 1.0e-4, base_patches: int = 4)
 #: (fp16)" and the compile rows' "+ CUDA graphs" now repeat the default, kept for the runs before) are the base of the
 #: rows before it: more patches a step, with the learning rate scaled by the square-root rule; the full training's
 #: defaults (compile auto on: regional, fp16), then the same again (which compiles from the first's cache); compile's
-#: reduce-overhead captures each region itself, so it turns the whole step's graph off
+#: reduce-overhead captures each region itself, so it turns the whole step's graph off; the compiled step with the
+#: window attention as one scaled_dot_product_attention (compiled, the attention's softmax is the step's largest
+#: kernel class, docs/performance.md)
 SWITCH_SETS: dict[str, tuple[dict[str, str], bool]] = {
     "original-style loop (no cache, DataLoader, fp16)": (
         {"cache": "none", "num_workers": "4", "amp": "true", "amp_dtype": "float16", "fused_optimizer": "false"},
@@ -67,6 +69,10 @@ SWITCH_SETS: dict[str, tuple[dict[str, str], bool]] = {
     "compile regional (fp16) + CUDA graphs": ({"compile": "true", "cuda_graphs": "true"}, True),
     "compile regional, reduce-overhead (fp16)": (
         {"compile": "true", "compile_mode": "reduce-overhead", "cuda_graphs": "false"},
+        True,
+    ),
+    "compile regional (fp16) + CUDA graphs, fused attention": (
+        {"compile": "true", "cuda_graphs": "true", "fused_attention": "true"},
         True,
     ),
     "cache none": ({"cache": "none"}, False),
