@@ -147,17 +147,16 @@ GPU = Sizes(
     profile_schedule=(1, 1, 2, 1),
     bench=(5, 30),
     timeout_s=180,
-    # the seconds the second H200 run measured (docs/gpu-runs/2026-11-27-h200/, forked children), the larger of its
-    # two calls where a step ran in both; the seed-style row: the first run's 981 ms a step. ESTIMATES, never measured
-    # (marked "est."): the 8- and 16-patch rows (they failed there after 12 s on a bug of the kit's, fixed): 38 steps
-    # at about 2x and 4x the defaults' 160 ms plus cuDNN's search for the new shapes; CUDA graphs: the defaults row
-    # without its cache build and algorithm search (shared), at a faster step; the compile rows: the bf16 compile's
-    # 148 s plus a cache build in a process of their own, and from the cache a first step near the eager one's 18 s
-    # plus dynamo's tracing; the CUDA-graph check: two short trainings of 8 steps. The throughput steps' own figures are
+    # the seconds the third H200 run measured (docs/gpu-runs/2026-11-27-h200-0.11/, rounded up) for the steps it ran,
+    # else the second's (docs/gpu-runs/2026-11-27-h200/, forked children), the larger of its two calls where a step
+    # ran in both; the seed-style row: the first run's 981 ms a step. ESTIMATES (marked "est."), rows whose own
+    # seconds no run recorded: the 8- and 16-patch rows, 38 steps at about 2x and 4x the defaults' 160 ms plus cuDNN's
+    # search for the new shapes; CUDA graphs: the defaults row without its cache build and algorithm search (shared),
+    # at a faster step. The throughput steps' own figures are
     # their first rows: they stop their rows themselves where the rest of the kit would no longer fit.
     estimates_s={
-        "environment": 17,
-        "data": 10,
+        "environment": 19,
+        "data": 9,
         "network": 4,
         "train": 31,
         "resume": 15,
@@ -166,17 +165,17 @@ GPU = Sizes(
         "inference_oom": 11,
         "torchrun": 37,
         "throughput": 60,
-        "cuda_graphs": 20,  # est.
-        "compile_cache": 215,  # est.: its two rows and two processes
+        "cuda_graphs": 5,
+        "compile_cache": 189,  # its two rows and two processes
         "throughput_earlier": 25,
-        "fullct_inference": 26,  # est.: two runs of 13 s
+        "fullct_inference": 52,  # est.: four runs of 13 s (two: 25.5 s)
         DEFAULTS_SET: 33,
         GRAPHS_SET: 15,  # est.
         "8 patches a step (fp16, lr x1.41)": 30,  # est.
         "16 patches a step (fp16, lr x2)": 45,  # est.
-        COMPILE_SET: 165,  # est.
-        COMPILE_GRAPHS_SET: 50,  # est.
-        FUSED_COMPILE_SET: 150,  # est.: a compilation of its own (another graph), as the cold compile row's 148 s
+        COMPILE_SET: 162,
+        COMPILE_GRAPHS_SET: 27,
+        FUSED_COMPILE_SET: 162,  # est.: a compilation of its own (another graph), as the cold compile row
         REDUCE_OVERHEAD_SET: 120,  # est.: compiles again (another mode), part from the cache
         "amp bfloat16": 24,
         "fused window attention (bf16)": 8,
@@ -928,9 +927,17 @@ def step_cuda_graphs(kit: Kit) -> dict[str, Any]:
     return numbers
 
 
-#: the full-CT runs (run dir suffix, settings): inference's defaults (on a GPU the CT preprocessed on it) and 0.10's
-#: host preprocessing (DataLoader workers), for the before and after on one GPU
-FULLCT_RUNS = {"defaults": ("", {}), "host preprocessing": ("_host", {"preprocessing_device": "cpu"})}
+#: the full-CT runs (run dir suffix, settings): inference's defaults (on a GPU the CT preprocessed on it); two
+#: candidates for the network's seconds, never measured on a GPU: the window attention as one
+#: scaled_dot_product_attention (memory-efficient attention with the bias as its mask, instead of four kernels over
+#: a 343 x 343 matrix a head) and 8 windows a forward pass instead of 4; and 0.10's host preprocessing (DataLoader
+#: workers), for the before and after on one GPU
+FULLCT_RUNS = {
+    "defaults": ("", {}),
+    "fused attention": ("_fused", {"fused_attention": "true"}),
+    "8 windows a pass": ("_sw8", {"sw_batch_size": 8}),
+    "host preprocessing": ("_host", {"preprocessing_device": "cpu"}),
+}
 
 
 def step_fullct(kit: Kit) -> dict[str, Any]:
