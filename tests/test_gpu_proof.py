@@ -18,6 +18,7 @@ from benchmarks.gpu_proof import (
     DEFAULTS_SET,
     DRY,
     EARLIER_SETS,
+    FULLCT_RUNS,
     GPU,
     GRAPHS_SET,
     HOST_CACHE_SET,
@@ -26,6 +27,7 @@ from benchmarks.gpu_proof import (
     STEPS,
     THROUGHPUT_SETS,
     StepFailed,
+    _flags,
     _later_s,
     compare_with_key_averages,
     fastest_row_classes,
@@ -274,6 +276,31 @@ def test_the_kernel_classes_read_the_defaults_row_and_the_fastest_row_of_every_s
     assert found["fastest"]["loop"] == COMPILE_GRAPHS_SET and "patches_per_s" not in found["fastest"]
     assert kernel_classes({})["fastest"] == {"reason": "the throughput step did not run"}
     assert kernel_classes({})["defaults"] == {"reason": "the summariser step did not run"}
+
+
+def test_every_full_ct_run_sets_inference_ids_to_values_of_their_types():
+    """The full-CT runs run on a GPU only (beyond the defaults), so their overrides are checked on inference.yaml
+    itself, as ``monai.bundle run`` reads them from the kit's command line: each id exists and parses to the type of
+    its default (a switch: a string the bundle reads as a bool), and the runs write to folders of their own."""
+    from benchmarks.bench_switches import _as_literal
+    from monai.bundle import ConfigParser
+
+    configs = [str(ROOT / "configs" / "inference.yaml")]
+    defaults = ConfigParser()
+    defaults.read_config(configs)
+    assert len({suffix for suffix, _ in FULLCT_RUNS.values()}) == len(FULLCT_RUNS)
+    for run, (_, settings) in FULLCT_RUNS.items():
+        flags = _flags(settings)
+        given = {key[2:]: _as_literal(value) for key, value in zip(flags[::2], flags[1::2])}
+        parser = ConfigParser()
+        parser.read_config(configs)
+        parser.update(given)
+        for key in settings:
+            default, value = defaults.get_parsed_content(key), parser.get_parsed_content(key)
+            if isinstance(default, bool):
+                assert value in (True, False, "true", "false"), (run, key, value)
+            else:
+                assert type(value) is type(default), (run, key, value, default)
 
 
 def test_a_short_budget_drops_the_earlier_rows_never_the_new_ones():
