@@ -943,22 +943,37 @@ FULLCT_RUNS = {
 def step_fullct(kit: Kit) -> dict[str, Any]:
     """Two copies of one full CT (DICOM in, NIfTI + SEG out) with AMP per run of :data:`FULLCT_RUNS` (without a GPU
     the defaults only): the first case's and a warm case's seconds; end to end = read + preprocess + the case's seconds
-    (which start once it is loaded)."""
-    rows = []
+    (which start once it is loaded). A run that fails is recorded with its reason and the next one runs; the step
+    fails, with every run's numbers, when any did."""
+    rows, failed, tails = [], {}, []
     for run, (suffix, overrides) in list(FULLCT_RUNS.items())[: None if kit.gpu else 1]:  # a CPU: the defaults only
-        settings = _inference(kit, kit.data / "fullct", **overrides)
-        run_dir, _ = kit.bundle(f"fullct_inference{suffix}", ["inference.yaml"], **settings)
-        report = json.loads((run_dir / "inference_report.json").read_text())
-        cases = [c for c in report["cases"] if c.get("status") == "done"]
-        if len(cases) != 2:
-            raise StepFailed(f"{run}: {len(cases)} of 2 cases done; see {run_dir / 'inference_report.json'}")
-        for i, c in enumerate(cases):
-            stages = c.get("stage_seconds", {})
-            end = stages.get("read", 0.0) + stages.get("preprocess", 0.0) + (c.get("seconds") or 0.0)
-            rows.append({"run": run, "case": c["case_id"], **stages, "windows": c.get("region", {}).get("windows"),
-                         "seconds": c.get("seconds"), "end_to_end_s": round(end, 2), "warm": i > 0})  # fmt: skip
+        try:
+            rows += _fullct_run(kit, run, suffix, overrides)
+        except StepFailed as error:
+            failed[run] = str(error)
+            tails.append(f"--- {run}\n{error.tail}")
     defaults = [r for r in rows if r["run"] == "defaults" and r["warm"]]
-    return {"cases": rows, "warm_network_s": defaults[-1].get("predict")}
+    numbers = {"cases": rows, "warm_network_s": defaults[-1].get("predict") if defaults else None, "failed": failed}
+    if failed:
+        raise StepFailed("; ".join(f"{run}: {why}" for run, why in failed.items()), "\n".join(tails), numbers)
+    return numbers
+
+
+def _fullct_run(kit: Kit, run: str, suffix: str, overrides: dict[str, Any]) -> list[dict[str, Any]]:
+    """One run of :data:`FULLCT_RUNS`: a row of stage seconds per case."""
+    settings = _inference(kit, kit.data / "fullct", **overrides)
+    run_dir, _ = kit.bundle(f"fullct_inference{suffix}", ["inference.yaml"], **settings)
+    report = json.loads((run_dir / "inference_report.json").read_text())
+    cases = [c for c in report["cases"] if c.get("status") == "done"]
+    if len(cases) != 2:
+        raise StepFailed(f"{len(cases)} of 2 cases done; see {run_dir / 'inference_report.json'}")
+    rows = []
+    for i, c in enumerate(cases):
+        stages = c.get("stage_seconds", {})
+        end = stages.get("read", 0.0) + stages.get("preprocess", 0.0) + (c.get("seconds") or 0.0)
+        rows.append({"run": run, "case": c["case_id"], **stages, "windows": c.get("region", {}).get("windows"),
+                     "seconds": c.get("seconds"), "end_to_end_s": round(end, 2), "warm": i > 0})  # fmt: skip
+    return rows
 
 
 STEPS: tuple[Step, ...] = (
@@ -1052,12 +1067,9 @@ def kernel_classes(records: dict[str, dict[str, Any]]) -> dict[str, dict[str, An
 
 
 def fullct_rows(records: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per case of each full-CT inference step that ran."""
-    rows = []
-    record = records.get("fullct_inference")
-    if record and record["status"] == "ok":
-        rows += [{"step": "fullct_inference", **case} for case in record["numbers"]["cases"]]
-    return rows
+    """One row per case of each full-CT run that ran (those of a step that failed in another run too)."""
+    numbers = (records.get("fullct_inference") or {}).get("numbers") or {}
+    return [{"step": "fullct_inference", **case} for case in numbers.get("cases", [])]
 
 
 def targets(kit: Kit) -> dict[str, str]:

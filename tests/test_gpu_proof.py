@@ -32,6 +32,7 @@ from benchmarks.gpu_proof import (
     compare_with_key_averages,
     fastest_row_classes,
     format_markdown,
+    fullct_rows,
     helper_cuda_graphs,
     helper_network,
     kernel_classes,
@@ -39,6 +40,7 @@ from benchmarks.gpu_proof import (
     row_classes,
     select,
     step_cuda_graphs,
+    step_fullct,
     targets,
 )
 from conftest import ROOT
@@ -301,6 +303,30 @@ def test_every_full_ct_run_sets_inference_ids_to_values_of_their_types():
                 assert value in (True, False, "true", "false"), (run, key, value)
             else:
                 assert type(value) is type(default), (run, key, value, default)
+
+
+def test_a_full_ct_run_that_fails_keeps_the_other_runs_rows_and_says_which_failed(monkeypatch):
+    """A run of FULLCT_RUNS never measured before (fused attention, 8 windows) may fail on a GPU: the runs after it
+    still run, the step fails naming it with its log's tail, and the rows of the others reach the table and the
+    targets."""
+    import benchmarks.gpu_proof as kit_module
+
+    def run(kit, name, suffix, overrides):
+        if name == "fused attention":
+            raise StepFailed("monai.bundle run inference.yaml: exit status 1", "RuntimeError: no kernel")
+        return [{"run": name, "case": f"FULLCT-{i + 1}", "predict": 0.4, "end_to_end_s": 2.0, "warm": i > 0}
+                for i in range(2)]  # fmt: skip
+
+    monkeypatch.setattr(kit_module, "_fullct_run", run)
+    with pytest.raises(StepFailed) as failed:
+        step_fullct(SimpleNamespace(gpu=True))
+    assert str(failed.value) == "fused attention: monai.bundle run inference.yaml: exit status 1"
+    assert failed.value.tail == "--- fused attention\nRuntimeError: no kernel"
+    numbers = failed.value.numbers
+    assert [r["run"] for r in numbers["cases"][::2]] == [r for r in FULLCT_RUNS if r != "fused attention"]
+    assert numbers["warm_network_s"] == 0.4 and list(numbers["failed"]) == ["fused attention"]
+    rows = fullct_rows({"fullct_inference": {"status": "failed", "numbers": numbers}})
+    assert len(rows) == 2 * (len(FULLCT_RUNS) - 1)
 
 
 def test_a_short_budget_drops_the_earlier_rows_never_the_new_ones():
