@@ -218,6 +218,8 @@ def test_throughput_rows_run_in_their_steps_children_and_claim_no_gpu_number(dry
     assert log.count("Loading dataset:   0%") == 1, "the host cache is built once and shared by the next row"
     cases = report["fullct_inference"]
     assert [c["warm"] for c in cases] == [False, True] and all(c["windows"] >= 1 and "predict" in c for c in cases)
+    assert all(0.0 <= c["labelled_share"] <= 1.0 for c in cases), "the label map's share is read from its NIfTI"
+    assert f"| {cases[1]['windows']} | {100 * cases[1]['labelled_share']:.2f} % |" in markdown
     assert all(verdict.startswith("unmeasured") for verdict in report["targets"].values())
 
 
