@@ -82,6 +82,7 @@ class StepTimer:
         self._profiler: torch.profiler.profile | None = None
         self._profiled = 0
         self._profile_start = 0.0
+        self.epochs = 0  # the trainer's epochs when it stopped: 1 where the steps ran in one epoch (benchmark.yaml)
 
     def attach(self, engine: Engine) -> None:
         engine.add_event_handler(Events.GET_BATCH_STARTED, self._batch_started)
@@ -135,6 +136,7 @@ class StepTimer:
             self._profile_start = time.perf_counter()
 
     def _completed(self, engine: Engine) -> None:
+        self.epochs = engine.state.epoch
         if not self.enabled or not self.total:
             return
         report = self.report()
@@ -168,6 +170,7 @@ class StepTimer:
             "data_wait_ms_median": 1000 * float(np.median(wait)),
             "gpu_busy_fraction": self.busy,  # None on a CPU, or when the busy steps did not run
             "busy_steps": self._profiled,
+            "epochs": self.epochs,
             "first_step_s": self.warmup_times[0] if self.warmup_times else None,
             "warmup_s": float(sum(self.warmup_times)),
             "peak_memory_gib": round(peak, 3),

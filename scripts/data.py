@@ -32,6 +32,7 @@ from monai.engines import default_prepare_batch
 from monai.transforms import MapTransform
 from scripts.config import ConfigError, as_bool
 from scripts.cpus import usable_cpus
+from torch.utils.data import RandomSampler, Sampler, SequentialSampler
 
 logger = logging.getLogger(__name__)
 
@@ -177,13 +178,19 @@ def make_loader(
     persistent_workers: bool | str = True,
     sampler=None,
     collate_fn=None,
+    epoch_batches: int | None = None,
 ) -> DataLoader:
     """``ThreadDataLoader`` for GPU-cached data or when asked, else ``DataLoader`` with ``num_workers`` processes.
 
     With a ``sampler`` (DDP's ``DistributedSampler``) the sampler shuffles, not the loader. ``collate_fn``: MONAI's
-    ``list_data_collate`` when None (evaluation's case by case loader gives :func:`scripts.inputs.collate_cases`)."""
+    ``list_data_collate`` when None (evaluation's case by case loader gives :func:`scripts.inputs.collate_cases`).
+    ``epoch_batches``: an epoch of at least that many batches, the cases taken pass after pass (:class:`Passes`),
+    where one pass over them holds fewer (None or 0: one pass, as a ``DataLoader``)."""
     num_workers = int(num_workers)
     shuffle = bool(shuffle) and sampler is None
+    if epoch_batches and len(dataset) and math.ceil(len(dataset) / batch_size) < int(epoch_batches):
+        base = sampler or (RandomSampler(dataset) if shuffle else SequentialSampler(dataset))
+        sampler, shuffle = Passes(base, int(epoch_batches) * batch_size), False
     common = {"batch_size": batch_size, "shuffle": shuffle, "sampler": sampler}
     if collate_fn is not None:
         common["collate_fn"] = collate_fn
@@ -193,6 +200,41 @@ def make_loader(
         return ThreadDataLoader(dataset, num_workers=num_workers, **common)
     persistent = as_bool(persistent_workers, "persistent_workers") and num_workers > 0
     return DataLoader(dataset, num_workers=num_workers, persistent_workers=persistent, **common)
+
+
+class Passes(Sampler):
+    """``sampler``'s order, pass after pass, until ``length`` indices: an epoch over a few cases as long as asked.
+
+    Why: a loader starts again at every epoch -- ``ThreadDataLoader`` a new thread, ``DataLoader`` its first batches --
+    and the trainer waits for the epoch's first batch to be made from nothing. A training over hundreds of cases
+    pays that once per hundreds of steps; the benchmark over the GPU kit's 3 training cases paid it every third step
+    (the H200 rows waited 4 to 6 ms a step for data, whatever their speed: about one batch made from nothing every
+    third step). ``benchmark.yaml`` runs all its steps in one epoch this way.
+    Each pass is a new order of the base sampler (``set_epoch`` is called with the pass's number where the sampler
+    has it, as ``DistributedSampler`` needs), so every case is drawn once per pass."""
+
+    def __init__(self, sampler: Sampler, length: int) -> None:
+        self.sampler, self.length = sampler, int(length)
+        self.passes = 0
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __iter__(self):
+        taken = 0
+        while taken < self.length:
+            if hasattr(self.sampler, "set_epoch"):
+                self.sampler.set_epoch(self.passes)
+            self.passes += 1
+            drawn = 0
+            for index in self.sampler:
+                if taken == self.length:
+                    return
+                yield index
+                taken += 1
+                drawn += 1
+            if not drawn:
+                raise ValueError("Passes: the sampler yields no index; there is no case to take")
 
 
 class RaisingThreadBuffer(ThreadBuffer):

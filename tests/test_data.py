@@ -4,6 +4,7 @@ crops drawn from it are exactly MONAI's crops."""
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 
 import numpy as np
@@ -18,6 +19,7 @@ from scripts.data import (
     STEP_BASE_GIB,
     STEP_GIB_PER_PATCH,
     CompactForCropd,
+    Passes,
     ThreadDataLoader,
     cached_bytes,
     choose_cache,
@@ -159,6 +161,61 @@ def test_loaders():
     workers = make_loader(dataset, num_workers=2, persistent_workers="true")
     assert type(workers) is DataLoader and workers.persistent_workers
     assert not make_loader(dataset, num_workers=0).persistent_workers
+
+
+def test_an_epoch_over_few_cases_runs_as_long_as_asked_one_loader_start_in_it():
+    """epoch_batches (benchmark.yaml: all its steps) over 4 cases: one epoch of 10 batches, the cases taken pass after
+    pass, each pass a permutation; the loader's thread starts once for it (three times without it: an epoch per pass,
+    each waiting for a first batch made from nothing)."""
+    import threading
+
+    torch.manual_seed(0)
+    starts = []
+    real_start = threading.Thread.start
+
+    def counted(thread):
+        starts.append(thread)
+        real_start(thread)
+
+    for settings in ({"cache": "gpu"}, {"num_workers": 0}):
+        loader = make_loader(Dataset(DATA), batch_size=1, shuffle=True, epoch_batches=10, **settings)
+        assert len(loader) == 10 and isinstance(loader.sampler, Passes)
+        threading.Thread.start = counted
+        try:
+            drawn = [b["x"].item() for b in loader]
+        finally:
+            threading.Thread.start = real_start
+        assert len(drawn) == 10 and all(sorted(drawn[i : i + 4]) == [0, 1, 2, 3] for i in (0, 4)), drawn
+    assert len(starts) == 1, "the gpu cache's thread loader: one thread for the whole epoch"
+    threading.Thread.start = counted
+    try:
+        loader, steps = make_loader(Dataset(DATA), cache="gpu", shuffle=True), 0
+        while steps < 10:  # the trainer's epochs: the loader iterated again after each pass
+            steps += sum(1 for _ in itertools.islice(loader, 10 - steps))
+    finally:
+        threading.Thread.start = real_start
+    assert len(starts) == 1 + 3, "without it: a thread for each of the three epochs"
+    plain = make_loader(Dataset(DATA), batch_size=2, shuffle=True, epoch_batches=2)
+    assert len(plain) == 2 and not isinstance(plain.sampler, Passes), "a pass already as long: unchanged"
+    assert len(make_loader(Dataset(DATA), batch_size=3, epoch_batches=5)) == 5
+    assert [b["x"].tolist() for b in make_loader(Dataset(DATA), batch_size=3, epoch_batches=3)] == [
+        [0, 1, 2], [3, 0, 1], [2, 3, 0]]  # fmt: skip
+
+
+def test_passes_over_a_distributed_sampler_give_each_rank_its_shard_in_a_new_order_each_pass():
+    """Under DDP the base is the DistributedSampler: each pass calls set_epoch with its number, so every pass of a rank
+    holds its shard, in an order all ranks agree on, and the passes differ."""
+    from torch.utils.data.distributed import DistributedSampler
+
+    ranks = []
+    for rank in range(2):
+        base = DistributedSampler(list(range(6)), num_replicas=2, rank=rank, shuffle=True, seed=3)
+        ranks.append(list(Passes(base, 9)))
+    for drawn in ranks:
+        assert len(drawn) == 9 and sorted(drawn[:3]) == sorted(drawn[3:6]) and drawn[:3] != drawn[3:6]
+    assert sorted(ranks[0][:3] + ranks[1][:3]) == list(range(6)), "the two ranks' shards of a pass cover the cases"
+    with pytest.raises(ValueError, match="no case"):
+        list(Passes(DistributedSampler([], num_replicas=1, rank=0), 3))
 
 
 def _fails_on(bad: int):

@@ -22,6 +22,8 @@ def test_benchmark_reports_the_defaults(tiny_data, tmp_path):
     report, stdout = benchmark(tiny_data, tmp_path)
     result = report["result"]
     assert result["timed_steps"] == 2 and result["patches_per_step"] == 1
+    training = json.loads((tiny_data / "prepared" / "datalist.json").read_text())["training"]
+    assert len(training) < 1 + 2 + 5 and result["epochs"] == 1, "every step in one epoch over fewer cases"
     assert result["ms_per_step_p90"] >= result["ms_per_step_median"] > 0
     assert 0 <= result["data_wait_fraction"] < 1 and result["patches_per_s"] > 0
     assert report["switches"]["cache"] == "memory" and report["switches"]["loader"] == "DataLoader"
