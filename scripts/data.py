@@ -188,9 +188,10 @@ def make_loader(
     where one pass over them holds fewer (None or 0: one pass, as a ``DataLoader``)."""
     num_workers = int(num_workers)
     shuffle = bool(shuffle) and sampler is None
-    if epoch_batches and len(dataset) and math.ceil(len(dataset) / batch_size) < int(epoch_batches):
+    if epoch_batches and len(dataset):
         base = sampler or (RandomSampler(dataset) if shuffle else SequentialSampler(dataset))
-        sampler, shuffle = Passes(base, int(epoch_batches) * batch_size), False
+        if math.ceil(len(base) / batch_size) < int(epoch_batches):  # a pass (a DDP rank's shard) holds fewer
+            sampler, shuffle = Passes(base, int(epoch_batches) * batch_size), False
     common = {"batch_size": batch_size, "shuffle": shuffle, "sampler": sampler}
     if collate_fn is not None:
         common["collate_fn"] = collate_fn

@@ -216,6 +216,9 @@ def test_passes_over_a_distributed_sampler_give_each_rank_its_shard_in_a_new_ord
     assert sorted(ranks[0][:3] + ranks[1][:3]) == list(range(6)), "the two ranks' shards of a pass cover the cases"
     with pytest.raises(ValueError, match="no case"):
         list(Passes(DistributedSampler([], num_replicas=1, rank=0), 3))
+    shard = DistributedSampler(list(range(6)), num_replicas=2, rank=0)  # 3 a rank: shorter than 4 batches, 6 cases not
+    loader = make_loader(Dataset(list(range(6))), shuffle=True, sampler=shard, epoch_batches=4)
+    assert isinstance(loader.sampler, Passes) and len(loader) == 4
 
 
 def _fails_on(bad: int):
