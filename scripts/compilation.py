@@ -65,11 +65,13 @@ class CompileCost:
         return math.ceil(1000 * extra_s / (self.eager_ms_per_step - self.compiled_ms_per_step))
 
 
-#: the one measurement ``compile: auto`` decides by: the second H200 run (0.10.0, 2026-11-27; docs/performance.md's
-#: H200 table, files in docs/gpu-runs/2026-11-27-h200/): SwinUNETR f48, 4 patches of 96^3 a step, bf16, the cache on
-#: the GPU; the rows "amp bfloat16" (eager) and "compile regional (bf16)", both with an empty compile cache
-MEASURED = CompileCost("an NVIDIA H200 (0.10.0, docs/performance.md)", eager_ms_per_step=170.0,
-                       compiled_ms_per_step=117.0, eager_first_step_s=16.3, compiled_first_step_s=142.4)  # fmt: skip
+#: the one measurement ``compile: auto`` decides by: the third H200 run (0.11.0, 2026-11-27; docs/performance.md's
+#: H200 table, files in docs/gpu-runs/2026-11-27-h200-0.11/): SwinUNETR f48, 4 patches of 96^3 a step, fp16, the cache
+#: on the GPU, the defaults' CUDA graphs. A step: eager 151 ms, compiled 109 ms (the rows "eager, fp16 + cuda_graphs"
+#: and "a full training's defaults"); the first step of a fresh process: eager 20.0 s (the cache built, cuDNN's
+#: search), compiled 148.0 s with an empty compile cache (the graphs start after it, at the fourth step)
+MEASURED = CompileCost("an NVIDIA H200 (0.11.0, docs/performance.md)", eager_ms_per_step=151.0,
+                       compiled_ms_per_step=109.0, eager_first_step_s=20.0, compiled_first_step_s=148.0)  # fmt: skip
 
 
 def decide(setting: bool | str, device: torch.device | str, steps: int, cost: CompileCost = MEASURED) -> bool:
