@@ -77,8 +77,7 @@ class FallbackSlidingWindowInferer(SlidingWindowInferer):
         clock = time.perf_counter()
         shape = tuple(int(n) for n in inputs.shape[2:])
         if self.region == "thorax":
-            volume = inputs[0, 0].detach().float().cpu().numpy()
-            box = find_thorax(volume, self.spacing, self.hu_window, self.roi_size, self.margin_mm)
+            box = find_thorax(inputs[0, 0].detach(), self.spacing, self.hu_window, self.roi_size, self.margin_mm)
         else:
             box = Region((0, 0, 0), shape, "body")
         found_s = time.perf_counter() - clock

@@ -19,7 +19,7 @@ from monai.bundle import ConfigParser
 from scripts.inferers import FallbackSlidingWindowInferer
 from scripts.inputs import load_case
 from scripts.phantom import PATHOLOGIES, chest
-from scripts.region import Region
+from scripts.region import Region, _coarse, find_thorax
 
 TUMOUR_HU = 300.0  # nothing else in the phantom lies within 100 HU of it
 HU_WINDOW = (-1000.0, 500.0)
@@ -125,3 +125,30 @@ def test_the_region_as_a_mask_crops_to_exactly_its_box():
         assert mask.shape == shape and mask.sum() == 6 * 4 * 1
         where = np.argwhere(mask)[:, -3:]
         assert tuple(where.min(0)) == box.start and tuple(where.max(0) + 1) == box.stop
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_the_coarse_grid_is_the_block_mean_with_edge_blocks_padded_and_the_box_is_the_same_on_any_input(
+    preprocessing, tmp_path, device
+):
+    """The lungs are found on block means of the input: equal, within float32 rounding, to a mean written here over
+    explicit blocks (the last block of an axis that does not divide evenly holds copies of the edge voxel), whether the
+    volume comes as a NumPy array, a read-only one or a tensor on the device the network runs on; the box is the
+    same."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA/ROCm device")
+    rng = np.random.default_rng(3)
+    volume, factors = rng.random((13, 10, 7), dtype=np.float32), np.array([4, 3, 2])
+    expected = np.empty((4, 4, 4), np.float32)
+    for i, j, k in np.ndindex(expected.shape):
+        cells = [volume[min(i * 4 + a, 12), min(j * 3 + b, 9), min(k * 2 + c, 6)]
+                 for a in range(4) for b in range(3) for c in range(2)]  # fmt: skip
+        expected[i, j, k] = np.mean(np.array(cells, np.float64))
+    np.testing.assert_allclose(_coarse(volume, factors), expected, atol=1e-6)
+    np.testing.assert_allclose(_coarse(torch.from_numpy(volume).to(device), factors), expected, atol=1e-6)
+    image, _, _ = case(tmp_path, preprocessing)
+    volume = image[0, 0].numpy()
+    read_only = volume.copy()
+    read_only.setflags(write=False)
+    found = [find_thorax(v, SPACING, HU_WINDOW, ROI) for v in (volume, read_only, image[0, 0].to(device))]
+    assert found[0].method == "thorax" and found[1] == found[0] and found[2] == found[0]
