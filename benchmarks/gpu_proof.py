@@ -152,8 +152,8 @@ GPU = Sizes(
     # ran in both; the seed-style row: the first run's 981 ms a step. ESTIMATES (marked "est."), rows whose own
     # seconds no run recorded: the 8- and 16-patch rows, 38 steps at about 2x and 4x the defaults' 160 ms plus cuDNN's
     # search for the new shapes; CUDA graphs: the defaults row without its cache build and algorithm search (shared),
-    # at a faster step. The throughput steps' own figures are
-    # their first rows: they stop their rows themselves where the rest of the kit would no longer fit.
+    # at a faster step. The throughput steps' own figures are their first rows: they stop their rows themselves where
+    # the rest of the kit would no longer fit.
     estimates_s={
         "environment": 19,
         "data": 9,
