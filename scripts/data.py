@@ -189,7 +189,7 @@ def make_loader(
     num_workers = int(num_workers)
     shuffle = bool(shuffle) and sampler is None
     if epoch_batches and len(dataset):
-        base = sampler or (RandomSampler(dataset) if shuffle else SequentialSampler(dataset))
+        base = sampler if sampler is not None else RandomSampler(dataset) if shuffle else SequentialSampler(dataset)
         if math.ceil(len(base) / batch_size) < int(epoch_batches):  # a pass (a DDP rank's shard) holds fewer
             sampler, shuffle = Passes(base, int(epoch_batches) * batch_size), False
     common = {"batch_size": batch_size, "shuffle": shuffle, "sampler": sampler}
