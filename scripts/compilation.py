@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from scripts.attention import dense_bias_attention
 from scripts.config import ConfigError, as_bool
 
 logger = logging.getLogger(__name__)
@@ -166,12 +167,14 @@ def compile_regions(
     """``network`` with each module whose class is named in ``regions`` compiled in place (outermost first: a block
     inside a compiled block is compiled with it), when ``enabled`` and ``scope`` is ``regional``; otherwise unchanged
     (``whole``: the trainer compiles the whole network). When ``enabled``, either scope keeps its compiled code in
-    ``cache_dir`` (:func:`use_cache`). A network with none of those blocks is a configuration error that says what to
-    set instead."""
+    ``cache_dir`` (:func:`use_cache`) and makes its window attentions' bias as one tensor
+    (:func:`scripts.attention.dense_bias_attention`: the same numbers, a softmax kernel inductor does not gather in).
+    A network with none of those blocks is a configuration error that says what to set instead."""
     if not enabled:
         return network
     scope = check_scope(scope)
     use_cache(cache_dir)
+    dense_bias_attention(network)  # the window attention's bias as one tensor: inductor's softmax reads, not gathers
     if scope != "regional":
         return network
     names = set(regions)

@@ -1,5 +1,6 @@
-"""SwinUNETR's window attention fused into one kernel (scripts/attention.py): the same module to its weights, the same
-outputs and gradients as MONAI's, in training and in evaluation, with and without shifted-window masks."""
+"""SwinUNETR's window attention (scripts/attention.py), fused into one kernel and with its bias made as one tensor for
+compiled networks: the same module to its weights, the same outputs and gradients as MONAI's (the dense bias bit for
+bit), in training and in evaluation, with and without shifted-window masks; the compiled graph reads the bias."""
 
 from __future__ import annotations
 
@@ -9,7 +10,13 @@ import pytest
 import torch
 from monai.networks.nets import SwinUNETR
 from monai.networks.nets.swin_unetr import WindowAttention
-from scripts.attention import FusedWindowAttention, fuse_window_attention
+from scripts.attention import (
+    DenseBiasWindowAttention,
+    FusedWindowAttention,
+    dense_bias_attention,
+    fuse_window_attention,
+    relative_position_bias,
+)
 
 
 @pytest.fixture(scope="module")
@@ -67,3 +74,72 @@ def test_fusing_is_a_switch():
     network = SwinUNETR(in_channels=1, out_channels=2, feature_size=12, spatial_dims=3)
     assert fuse_window_attention(network, enabled=False) is network
     assert not any(isinstance(m, FusedWindowAttention) for m in network.modules())
+
+
+def test_the_dense_bias_attention_is_monais_bit_for_bit_in_training(networks):
+    """What a compiled network runs eagerly: the same numbers as MONAI's module, not merely close (the same lookup and
+    additions; only the bias is made by one custom operator), shifted windows included."""
+    plain, _ = networks
+    dense = dense_bias_attention(copy.deepcopy(plain))
+    assert {type(m) for m in dense.modules() if isinstance(m, WindowAttention)} == {DenseBiasWindowAttention}
+    assert dense.state_dict().keys() == plain.state_dict().keys()
+    plain.train()
+    dense.train()
+    image = torch.randn(1, 1, 64, 32, 32)
+    out_plain, out_dense = plain(image), dense(image)
+    assert torch.equal(out_dense, out_plain)
+    plain.zero_grad()
+    out_plain.square().mean().backward()
+    out_dense.square().mean().backward()
+    grads = dict(dense.named_parameters())
+    for name, parameter in plain.named_parameters():
+        assert torch.equal(grads[name].grad, parameter.grad), name
+    plain.zero_grad()
+
+
+def test_the_bias_operator_is_a_well_formed_custom_op():
+    """torch's own checks of a custom operator: its schema, its shape function against the real output, its gradient
+    against the lookup's, its tracing by AOTAutograd (what torch.compile does to it)."""
+    module = WindowAttention(dim=24, num_heads=3, window_size=(7, 7, 7), qkv_bias=True)
+    table = torch.randn_like(module.relative_position_bias_table, requires_grad=True)
+    index = module.relative_position_index[:343, :343]
+    torch.library.opcheck(relative_position_bias, (table, index))
+    bias = relative_position_bias(table, index)
+    assert bias.shape == (3, 343, 343) and bias.is_contiguous()
+    expected = table[index.reshape(-1)].reshape(343, 343, 3).permute(2, 0, 1)
+    assert torch.equal(bias, expected)
+
+
+def test_compiled_attention_reads_its_bias_instead_of_gathering_it():
+    """The graph torch.compile hands inductor: MONAI's module puts the table lookup (aten.index) in it, where inductor
+    fuses it into the softmax kernel (an indirect load for each logit); the dense-bias module gives inductor the bias
+    as an opaque operator's output, so the softmax kernel reads a contiguous tensor."""
+    from functorch.compile import make_boxed_func
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    def forward_ops(module: torch.nn.Module) -> list[str]:
+        ops: list[str] = []
+
+        def keep(graph, _inputs):
+            ops.extend(str(node.target) for node in graph.graph.nodes if node.op == "call_function")
+            return make_boxed_func(graph.forward)
+
+        def backend(graph_module, inputs):
+            return aot_module_simplified(
+                graph_module,
+                inputs,
+                fw_compiler=keep,
+                bw_compiler=lambda graph, _inputs: make_boxed_func(graph.forward),
+            )
+
+        torch._dynamo.reset()
+        compiled = torch.compile(module, backend=backend, dynamic=False)
+        compiled(torch.randn(2, 343, 24, requires_grad=True), None).sum().backward()
+        return ops
+
+    torch.manual_seed(0)
+    plain = WindowAttention(dim=24, num_heads=3, window_size=(7, 7, 7), qkv_bias=True)
+    monai_ops = forward_ops(plain)
+    dense_ops = forward_ops(dense_bias_attention(copy.deepcopy(plain)))
+    assert "aten.index.Tensor" in monai_ops
+    assert "aten.index.Tensor" not in dense_ops and "nsclc_swin.relative_position_bias.default" in dense_ops

@@ -17,6 +17,7 @@ import torch
 from conftest import ROOT
 from monai.bundle import ConfigParser
 from monai.networks.nets import BasicUNet, SwinUNETR
+from monai.networks.nets.swin_unetr import WindowAttention
 from scripts.compilation import MEASURED, compile_regions, compiled_regions, decide
 from scripts.config import ConfigError
 
@@ -45,6 +46,8 @@ def test_regional_compilation_keeps_weights_outputs_and_gradients():
     assert "swinViT.layers1.0.blocks.0" in regions and "decoder1.conv_block" in regions
     assert list(network.state_dict()) == list(plain.state_dict()), "no _orig_mod. prefix: checkpoints interchange"
     network.load_state_dict(plain.state_dict())  # and load both ways
+    attentions = {type(m).__name__ for m in network.modules() if isinstance(m, WindowAttention)}
+    assert attentions == {"DenseBiasWindowAttention"}, "the bias made as one tensor (scripts/attention.py)"
 
     x = torch.rand(2, 1, 64, 32, 32)
     out, ref = network(x), plain(x)
@@ -60,6 +63,9 @@ def test_regional_compilation_keeps_weights_outputs_and_gradients():
 
 
 def test_off_or_whole_leaves_the_network_alone_and_unknown_blocks_are_an_error():
+    swin = SwinUNETR(in_channels=1, out_channels=2, feature_size=12, spatial_dims=3, depths=(1, 1, 1, 1))
+    assert compile_regions(swin, False) is swin
+    assert {type(m) for m in swin.modules() if isinstance(m, WindowAttention)} == {WindowAttention}, "eager: MONAI's"
     network = BasicUNet(spatial_dims=3, in_channels=1, out_channels=2, features=(4, 4, 8, 8, 16, 4))
     assert compile_regions(network, False) is network and not compiled_regions(network)
     assert compile_regions(network, True, "whole") is network and not compiled_regions(network)
@@ -135,27 +141,31 @@ def test_compile_auto_in_the_configs(root, configs, device, batches, steps, on):
 CHILD = """
 import json, sys, time
 import torch
+from monai.networks.nets.swin_unetr import SwinTransformerBlock
 from scripts.compilation import cache_counters, compile_regions
 
-class Tiny(torch.nn.Module):
+class Block(torch.nn.Module):  # a Swin block of the network, its window attention with the bias operator
     def __init__(self):
         super().__init__()
-        self.w = torch.nn.Parameter(torch.ones(8))
+        self.block = SwinTransformerBlock(dim=24, num_heads=3, window_size=(7, 7, 7), shift_size=(0, 0, 0))
 
     def forward(self, x):
-        return torch.tanh(x * self.w)
+        return self.block(x, None)
 
-network = compile_regions(torch.nn.Sequential(Tiny()), True, regions=("Tiny",), cache_dir=sys.argv[1])
+torch.manual_seed(0)
+network = compile_regions(Block(), True, regions=("SwinTransformerBlock",), cache_dir=sys.argv[1])
+assert type(network.block.attn).__name__ == "DenseBiasWindowAttention"
 start = time.perf_counter()
-network(torch.randn(4, 8)).sum().backward()
+network(torch.randn(1, 14, 14, 14, 24)).sum().backward()
 print(json.dumps({"seconds": time.perf_counter() - start, **cache_counters()}))
 """
 
 
 def test_a_second_process_compiles_from_the_cache_the_first_filled(tmp_path):
-    """compile_regions with a cache_dir: the first process compiles forward and backward (inductor's C++ on a CPU) and
-    fills the folder; the second finds both graphs there -- FX-graph and AOTAutograd hits, no miss -- and is several
-    times faster. TORCHINDUCTOR_CACHE_DIR is unset in the children: the folder comes from the argument alone."""
+    """compile_regions with a cache_dir: the first process compiles a Swin block's forward and backward (inductor's C++
+    on a CPU; the attention's bias operator in the graph) and fills the folder; the second finds both graphs there --
+    FX-graph and AOTAutograd hits, no miss -- and is several times faster. TORCHINDUCTOR_CACHE_DIR is unset in the
+    children: the folder comes from the argument alone."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHINDUCTOR_")}
     runs = []
     for _ in range(2):
