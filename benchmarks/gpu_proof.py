@@ -1135,6 +1135,7 @@ def format_markdown(report: dict[str, Any]) -> str:
              f"`{report['kit']}`, started {report['started']}, {report['elapsed_s']:.0f} s of a "
              f"{report['budget_s']:.0f} s budget; steps " + ", ".join(f"{k} {v}" for k, v in report["counts"].items())
              + ".", "",
+             f"Bundle {env.get('bundle_version')} ({env.get('bundle_commit') or 'no git commit'}). "
              f"Device: {env.get('device_name')} ({env.get('total_memory_gib')} GiB), driver {env.get('driver')}, "
              f"torch {env.get('torch')}, CUDA {env.get('cuda')}, cuDNN {env.get('dnn_version')}, MONAI "
              f"{env.get('monai')}, Python {env.get('python')}; host CPUs: {env.get('usable_cpus')} usable of "
@@ -1268,8 +1269,21 @@ def helper_environment(out: str, dry_run: bool = False) -> None:
     info = device_report(device)
     info.pop("settings", None)
     info.update(driver=_driver_version(), usable_cpus=usable_cpus(), cpu_count=os.cpu_count(),
-                cuda_available=torch.cuda.is_available())  # fmt: skip
+                cuda_available=torch.cuda.is_available(), **bundle_version())  # fmt: skip
     write_json(out, info, default=str)
+
+
+def bundle_version() -> dict[str, str | None]:
+    """The version of the bundle measured (``configs/metadata.json``) and its git commit where the tree is a clone
+    (None in a copy without ``.git``, as on the device machine): a run's files say which code gave their numbers."""
+    version = json.loads((ROOT / "configs" / "metadata.json").read_text())["version"]
+    commit = None
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        done = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=10)  # fmt: skip
+        if done.returncode == 0 and done.stdout.strip():
+            commit = done.stdout.strip()
+    return {"bundle_version": version, "bundle_commit": commit}
 
 
 def _driver_version() -> str | None:

@@ -80,6 +80,8 @@ def test_dry_run_reports_every_step_and_none_fails(dry_run):
     assert stdout.count("| total ") == len(STEPS)
     env = report["environment"]
     assert env["torch"] and env["monai"] and env["usable_cpus"] >= 1 and env["device_name"]
+    version = json.loads((ROOT / "configs" / "metadata.json").read_text())["version"]
+    assert env["bundle_version"] == version, "the run's files say which version gave their numbers"
     markdown = (out / "gpu_proof.md").read_text()
     assert markdown.startswith("# GPU proof kit (DRY RUN on the CPU") and "no number here is a GPU number" in markdown
     assert all(f"| {s.name} |" in markdown for s in STEPS)
