@@ -12,8 +12,9 @@ the logits. Its backward (the gradient summed back into the table) stays in the 
 as before. ``python -m benchmarks.inductor_kernels`` prints the kernels inductor writes for both: with the operator,
 the plain windows' softmax is one persistent pass without a gather; the shifted windows' stays three passes (its
 mask is broadcast over heads, an index inductor does not take as contiguous), without the gathers. Eagerly the numbers
-are MONAI's bit for bit: the same lookup, the same additions. What it saves on a GPU is not measured yet (the kit's
-compile rows measure it).
+are MONAI's bit for bit: the same lookup, the same additions (under deterministic algorithms; otherwise a CPU's threads
+sum the table's gradient with atomic adds in any order, in MONAI's module too). What it saves on a GPU is not measured
+yet (the kit's compile rows measure it).
 
 **One fused kernel in training too** (``fused_attention: true``, :func:`fuse_window_attention`). MONAI 1.6 computes
 ``softmax(q k^T * scale + bias) v`` as separate kernels -- two batched matrix products, an add of the
