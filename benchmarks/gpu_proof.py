@@ -1275,7 +1275,7 @@ def helper_environment(out: str, dry_run: bool = False) -> None:
 
 def bundle_version() -> dict[str, str | None]:
     """The version of the bundle measured (``configs/metadata.json``) and its git commit where the tree is a clone
-    (None in a copy without ``.git``, as on the device machine): a run's files say which code gave their numbers."""
+    (None where the tree has no git history): a run's files say which code gave their numbers."""
     version = json.loads((ROOT / "configs" / "metadata.json").read_text())["version"]
     commit = None
     with contextlib.suppress(OSError, subprocess.SubprocessError):

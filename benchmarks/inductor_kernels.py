@@ -28,6 +28,7 @@ import copy
 import logging
 import re
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -58,36 +59,45 @@ def kernels_in(output_code: str) -> list[Kernel]:
     return found
 
 
+def captured_graphs(module: torch.nn.Module, *inputs: torch.Tensor | None) -> dict[str, tuple[Any, list]]:
+    """The forward and backward graphs (with their example inputs) that ``torch.compile`` hands inductor for
+    ``module(*inputs)`` -- AOTAutograd's, with inductor's decompositions -- under the training step's mixed precision
+    (bf16 here, fp16 on the GPU), the backward from the output's sum. Nothing is compiled."""
+    from functorch.compile import make_boxed_func
+    from torch._functorch.aot_autograd import aot_module_simplified
+    from torch._inductor.decomposition import select_decomp_table
+
+    graphs = {}
+
+    def keep(which):
+        def compiler(graph, example_inputs):
+            graphs[which] = (graph, example_inputs)
+            return make_boxed_func(graph.forward)
+
+        return compiler
+
+    def backend(graph_module, example_inputs):
+        return aot_module_simplified(graph_module, example_inputs, fw_compiler=keep("forward"),
+                                     bw_compiler=keep("backward"), decompositions=select_decomp_table())  # fmt: skip
+
+    torch._dynamo.reset()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = torch.compile(module, backend=backend, dynamic=False)(*inputs)
+    out.float().sum().backward()
+    return graphs
+
+
 def generated_code(module: torch.nn.Module, x: torch.Tensor, mask: torch.Tensor | None) -> str:
     """Inductor's Triton output code for ``module``'s forward and backward graphs (the Triton compile that follows
     fails on a CPU and is ignored)."""
     import torch._inductor.config as inductor_config
     import torch.utils._triton as torch_triton
-    from functorch.compile import make_boxed_func
-    from torch._functorch.aot_autograd import aot_module_simplified
     from torch._inductor.codecache import PyCodeCache
     from torch._inductor.compile_fx import compile_fx_inner
-    from torch._inductor.decomposition import select_decomp_table
 
     if not hasattr(torch_triton, "triton_hash_with_backend"):
         raise SystemExit("this torch has no torch.utils._triton.triton_hash_with_backend to patch: update the script")
-    graphs = {}
-
-    def keep(which):
-        def compiler(graph, inputs):
-            graphs[which] = (graph, inputs)
-            return make_boxed_func(graph.forward)
-
-        return compiler
-
-    def backend(graph_module, inputs):
-        return aot_module_simplified(graph_module, inputs, fw_compiler=keep("forward"), bw_compiler=keep("backward"),
-                                     decompositions=select_decomp_table())  # fmt: skip
-
-    torch._dynamo.reset()
-    with torch.autocast("cpu", dtype=torch.bfloat16):  # the training step's mixed precision (the GPU's is fp16)
-        out = torch.compile(module, backend=backend, dynamic=False)(x.requires_grad_(), mask)
-    out.float().sum().backward()
+    graphs = captured_graphs(module, x.requires_grad_(), mask)
 
     written: list[str] = []
     write = PyCodeCache.write.__func__
