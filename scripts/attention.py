@@ -44,8 +44,14 @@ def relative_position_bias(table: torch.Tensor, index: torch.Tensor) -> torch.Te
     """The (heads, n, n) bias of an n-token window: ``table`` (positions, heads) looked up by ``index`` (n, n), as
     MONAI's ``WindowAttention`` does it, returned as one contiguous tensor that inductor cannot fuse into its consumers
     (see the module docstring)."""
+    return _bias_lookup(table, index).contiguous()
+
+
+def _bias_lookup(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """MONAI's lookup of a window's relative-position bias: ``table`` (positions, heads) by ``index`` (n, n), as a
+    (heads, n, n) view."""
     n = index.shape[0]
-    return table[index.reshape(-1)].reshape(n, n, -1).permute(2, 0, 1).contiguous()
+    return table[index.reshape(-1)].reshape(n, n, -1).permute(2, 0, 1)
 
 
 @relative_position_bias.register_fake
@@ -100,8 +106,7 @@ class FusedWindowAttention(WindowAttention):
         b, n, c = x.shape
         qkv = self.qkv(x).reshape(b, n, 3, self.num_heads, c // self.num_heads).permute(2, 0, 3, 1, 4)
         q, k, v = qkv.unbind(0)
-        index = self.relative_position_index[:n, :n].reshape(-1)
-        bias = self.relative_position_bias_table[index].reshape(n, n, -1).permute(2, 0, 1)  # (heads, n, n)
+        bias = _bias_lookup(self.relative_position_bias_table, self.relative_position_index[:n, :n])
         if mask is not None:  # shifted windows: the mask of each window added to every head's bias
             windows = mask.shape[0]
             bias = bias.unsqueeze(0).unsqueeze(0) + mask.reshape(1, windows, 1, n, n)
