@@ -483,14 +483,17 @@ FRESH = ("UID", "Date", "Time", "DateTime")
 
 
 def comparable(ds: pydicom.Dataset) -> pydicom.Dataset:
-    """``ds`` without what is new each time it is written (UIDs but the source CT's, dates, times), at every level."""
+    """``ds`` without what is new each time it is written (UIDs but the source CT's, dates, times), at every level, and
+    without the file meta's group length, which counts the characters of the fresh UIDs (a new UID is 62 to 64 long)."""
     keep = {"SOPClassUID", "ReferencedSOPClassUID", "StudyInstanceUID", "FrameOfReferenceUID", "TransferSyntaxUID",
             "MediaStorageSOPClassUID", "ImplementationClassUID", "StudyDate", "StudyTime"}  # fmt: skip
     for element in list(ds):
         if element.VR == "SQ":
             for item in element.value:
                 comparable(item)
-        elif element.keyword.endswith(FRESH) and element.keyword not in keep:
+        elif (element.keyword.endswith(FRESH) and element.keyword not in keep) or (
+            element.keyword == "FileMetaInformationGroupLength"
+        ):
             del ds[element.tag]
     return ds
 
