@@ -8,14 +8,17 @@ Launch with PyTorch's own launcher (``torchrun``; under SLURM ``srun torchrun ..
   this process to the GPU ``LOCAL_RANK``.
 * :func:`shard` gives each rank a disjoint part of a case list -- for validation (no case counted twice or dropped)
   and, with ``partition_cache``, for training (each rank caches only its part, as MONAI's BraTS recipe does).
+* :func:`cleanup` leaves the group so that the process exits cleanly (see :func:`settle_gloo_workers`).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Sequence
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -78,11 +81,6 @@ def is_rank0() -> bool:
     return rank() == 0
 
 
-def for_this_rank(handlers: Sequence, rank0_only: tuple[type, ...]) -> list:
-    """``handlers`` without those of the ``rank0_only`` types on ranks other than 0 (logs and TensorBoard once)."""
-    return list(handlers) if is_rank0() else [h for h in handlers if not isinstance(h, rank0_only)]
-
-
 def barrier() -> None:
     """Wait for every rank (e.g. until rank 0 has prepared the data); nothing to wait for in one process."""
     if world_size() > 1:
@@ -116,5 +114,60 @@ def shard(data: Sequence, partition: bool = True, seed: int = 0, even: bool = Fa
 
 
 def cleanup() -> None:
+    """Leave the process group at the end of a run: every rank first reaches this point (so no rank leaves while
+    another still communicates), then the group is destroyed and gloo's worker threads are let finish."""
     if dist.is_available() and dist.is_initialized():
+        barrier()
         dist.destroy_process_group()
+        settle_gloo_workers()
+
+
+GLOO_WORKER = "pt_gloo_runloop"  # the name torch gives ProcessGroupGloo's worker threads (c10::setThreadName)
+
+
+def settle_gloo_workers(timeout_s: float = 30.0, quiet_s: float = 0.05, tasks: Path = Path("/proc/self/task")) -> bool:
+    """Wait, the GIL released, until every gloo worker thread of this process has slept through ``quiet_s``.
+
+    Why: a gloo worker hands a collective's result back (the caller's ``wait`` returns) before it drops its own
+    reference to the work, and with it to the tensors; where Python has dropped them first, the worker takes the GIL
+    to free them. If the interpreter is finalising by then, CPython ends that thread with ``pthread_exit``, which
+    unwinds through a C++ destructor and aborts the process ("terminate called without an active exception",
+    SIGABRT; pytorch/pytorch#190489). ``destroy_process_group`` would join the workers, but DistributedDataParallel
+    keeps the group alive to the end, so they outlive it. A rank that ended right after its last validation metric
+    (an all-gather) aborted so on a loaded 2-core CI machine, and the other node's torchrun then waited 300 s at its
+    exit barrier.
+
+    A worker counts as settled when it is asleep (state S) in two samples ``quiet_s`` apart with no context switch
+    between them: it did not run in that time although the GIL was free, so it is waiting for work. Linux only (no
+    ``/proc``: nothing to do). Returns False, with a warning, if they have not settled within ``timeout_s``.
+    """
+    before = _thread_states(tasks, GLOO_WORKER)
+    if not before:
+        return True
+    deadline = time.monotonic() + timeout_s
+    while True:
+        time.sleep(quiet_s)
+        after = _thread_states(tasks, GLOO_WORKER)
+        if after == before and all(state == "S" for state, _ in after.values()):
+            return True
+        if time.monotonic() > deadline:
+            busy = sorted(tid for tid, now in after.items() if now != before.get(tid) or now[0] != "S")
+            logger.warning("gloo worker thread(s) %s still busy after %.0f s; exiting anyway", busy, timeout_s)
+            return False
+        before = after
+
+
+def _thread_states(tasks: Path, name: str) -> dict[int, tuple[str, int]]:
+    """{thread id: (scheduler state, context switches so far)} of this process's threads called ``name``."""
+    states = {}
+    for task in tasks.glob("[0-9]*") if tasks.is_dir() else ():
+        try:
+            if (task / "comm").read_text().strip() != name:
+                continue
+            state = (task / "stat").read_text().rpartition(")")[2].split()[0]  # the name in (...) may hold spaces
+            fields = dict(line.split(":", 1) for line in (task / "status").read_text().splitlines() if ":" in line)
+            switches = int(fields["voluntary_ctxt_switches"]) + int(fields["nonvoluntary_ctxt_switches"])
+        except (OSError, KeyError, ValueError, IndexError):  # the thread ended while being read
+            continue
+        states[int(task.name)] = (state, switches)
+    return states

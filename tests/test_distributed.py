@@ -1,7 +1,8 @@
 """torch.distributed plumbing: in one process everything is a no-op (rank 0 of 1, barrier returns); ``shard`` gives
 the ranks disjoint parts that hold every case exactly once (``even`` equalises counts by repeating a rank's own case)
-and refuses fewer cases than ranks; rank-0-only handlers are dropped elsewhere; ``setup`` outside torchrun says how to
-launch. A real two-process gloo group checks ``setup``, ``shard`` and ``barrier`` together."""
+and refuses fewer cases than ranks; ``setup`` outside torchrun says how to launch; ``cleanup`` lets gloo's worker
+threads finish before the process exits. A real two-process gloo group checks ``setup``, ``shard``, ``barrier`` and
+``cleanup`` together, under DistributedDataParallel."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from scripts import distributed
@@ -85,24 +87,61 @@ def test_fewer_cases_than_ranks_is_refused_with_what_to_do(monkeypatch):
         parts_of(cases(2), 3, monkeypatch)
 
 
-def test_rank0_only_handlers_are_dropped_on_other_ranks(monkeypatch):
-    class TensorBoardLike:
-        pass
-
-    class Checkpointer:
-        pass
-
-    handlers = [TensorBoardLike(), Checkpointer(), TensorBoardLike()]
-    assert distributed.for_this_rank(handlers, (TensorBoardLike,)) == handlers
-    monkeypatch.setattr(distributed, "rank", lambda: 1)
-    assert distributed.for_this_rank(handlers, (TensorBoardLike,)) == [handlers[1]]
-
-
 def test_setup_outside_torchrun_names_torchrun(monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     with pytest.raises(RuntimeError, match="torchrun --standalone --nproc_per_node=N"):
         distributed.setup()
     assert not dist.is_initialized()
+
+
+def fake_thread(tasks: Path, tid: int, name: str, state: str, switches: int) -> None:
+    """A thread as Linux shows it under /proc/self/task (only the fields ``settle_gloo_workers`` reads)."""
+    task = tasks / str(tid)
+    task.mkdir(parents=True, exist_ok=True)
+    (task / "comm").write_text(name + "\n")
+    (task / "stat").write_text(f"{tid} ({name}) {state} 1 1 1 0 -1 4194368 0 0\n")
+    (task / "status").write_text(f"Name:\t{name}\nState:\t{state} (x)\nvoluntary_ctxt_switches:\t{switches - 1}\n"
+                                 "nonvoluntary_ctxt_switches:\t1\n")  # fmt: skip
+
+
+def test_cleanup_waits_for_the_gloo_workers_to_sleep_through_a_quiet_interval(tmp_path, monkeypatch):
+    """The worker is running, then asleep having just run, then asleep and untouched: settled at the third sample,
+    not before; other threads (the main one, gloo's I/O loop) are not waited for."""
+    tasks = tmp_path / "task"
+    fake_thread(tasks, 10, "python", "R", 50)
+    fake_thread(tasks, 11, "gloo_tcp_loop", "R", 7)
+    fake_thread(tasks, 12, distributed.GLOO_WORKER, "S", 3)
+    fake_thread(tasks, 13, distributed.GLOO_WORKER, "R", 40)
+    script = [(13, "S", 41), (13, "S", 42), None, None]  # what changes at each sleep
+    sleeps = []
+
+    def sleep(seconds: float) -> None:
+        sleeps.append(seconds)
+        step = script[len(sleeps) - 1]
+        if step:
+            fake_thread(tasks, step[0], distributed.GLOO_WORKER, *step[1:])
+
+    monkeypatch.setattr(distributed.time, "sleep", sleep)
+    assert distributed.settle_gloo_workers(quiet_s=0.05, tasks=tasks) is True
+    assert sleeps == [0.05] * 3
+
+
+def test_workers_that_never_settle_are_left_with_a_warning_naming_them(tmp_path, monkeypatch, caplog):
+    tasks = tmp_path / "task"
+    fake_thread(tasks, 12, distributed.GLOO_WORKER, "S", 3)
+    fake_thread(tasks, 13, distributed.GLOO_WORKER, "R", 40)
+    clock = iter(range(0, 1000, 5))
+    monkeypatch.setattr(distributed.time, "monotonic", lambda: next(clock))
+    monkeypatch.setattr(distributed.time, "sleep", lambda seconds: None)
+    assert distributed.settle_gloo_workers(timeout_s=30, tasks=tasks) is False
+    assert "gloo worker thread(s) [13] still busy after 30 s" in caplog.text
+
+
+def test_without_proc_or_gloo_workers_there_is_nothing_to_wait_for(tmp_path, monkeypatch):
+    monkeypatch.setattr(distributed.time, "sleep", lambda seconds: pytest.fail("waited for no thread"))
+    assert distributed.settle_gloo_workers(tasks=tmp_path / "no-proc")
+    fake_thread(tmp_path / "task", 10, "python", "R", 5)
+    assert distributed.settle_gloo_workers(tasks=tmp_path / "task")
 
 
 def _free_port() -> int:
@@ -127,8 +166,19 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         "plain": [c["case_id"] for c in distributed.shard(cases(5))],
         "even": [c["case_id"] for c in distributed.shard(cases(5), even=True, seed=3)],
     }
-    (Path(out) / f"rank{rank}.json").write_text(json.dumps(result))
+    # the end of a training run: DDP, then a metric's all-gather whose Python tensors die before gloo's worker drops
+    # them, then cleanup, then the exit (which aborted when the worker freed them during finalisation)
+    network = torch.nn.parallel.DistributedDataParallel(torch.nn.Conv3d(1, 2, 3))
+    network(torch.ones(1, 1, 5, 5, 5)).sum().backward()
+    gathered = [torch.zeros(2) for _ in range(world)]
+    dist.all_gather(gathered, torch.full((2,), float(rank)))
+    result["gathered"] = torch.cat(gathered).tolist()
+    del gathered
+    tasks = Path("/proc/self/task")
+    result["workers_before_cleanup"] = len(distributed._thread_states(tasks, distributed.GLOO_WORKER))
     distributed.cleanup()
+    result["workers_after_cleanup"] = sorted(distributed._thread_states(tasks, distributed.GLOO_WORKER).values())
+    (Path(out) / f"rank{rank}.json").write_text(json.dumps(result))
 
 
 def test_two_process_gloo_group_shards_and_waits(tmp_path):
@@ -143,3 +193,9 @@ def test_two_process_gloo_group_shards_and_waits(tmp_path):
     assert len(ranks[0]["even"]) == len(ranks[1]["even"]) == 3
     assert not set(ranks[0]["even"]) & set(ranks[1]["even"])
     assert set(ranks[0]["even"]) | set(ranks[1]["even"]) == {c["case_id"] for c in cases(5)}
+    assert ranks[1]["gathered"] == [0.0, 0.0, 1.0, 1.0]
+    # torch's gloo workers are found by their name (two per group), and DDP keeps them past destroy_process_group;
+    # after cleanup they sleep, waiting for work that will not come
+    assert ranks[0]["workers_before_cleanup"] == ranks[1]["workers_before_cleanup"] == 2
+    for r in ranks:
+        assert [state for state, _ in r["workers_after_cleanup"]] == ["S", "S"], r
