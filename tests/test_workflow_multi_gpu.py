@@ -132,6 +132,9 @@ def test_two_nodes_on_localhost_with_partitioned_cache(ddp_data, tmp_path):
     training = {d["case_id"] for d in json.loads((demo_tmp / "prepared" / "datalist.json").read_text())["training"]}
     assert set(held) == {"0", "1"} and not held["0"] & held["1"], "each case is cached on exactly one rank"
     assert held["0"] | held["1"] == training
+    # one process writes TensorBoard: the other rank builds no handler that would open an (empty) event file
+    writers = {f.name.rsplit(".", 2)[1] for f in (tmp_path / "run").glob("events.out.tfevents.*")}
+    assert len(writers) == 1, f"event files from the processes {writers}"
 
 
 def test_evaluation_on_two_ranks_counts_every_case_once(ddp_data, tmp_path):
