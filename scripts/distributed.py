@@ -123,9 +123,10 @@ def cleanup() -> None:
 
 
 GLOO_WORKER = "pt_gloo_runloop"  # the name torch gives ProcessGroupGloo's worker threads (c10::setThreadName)
+THREADS = Path("/proc/self/task")  # Linux: one folder per thread of this process
 
 
-def settle_gloo_workers(timeout_s: float = 30.0, quiet_s: float = 0.05, tasks: Path = Path("/proc/self/task")) -> bool:
+def settle_gloo_workers(timeout_s: float = 30.0, quiet_s: float = 0.05, tasks: Path = THREADS) -> bool:
     """Wait, the GIL released, until every gloo worker thread of this process has slept through ``quiet_s``.
 
     Why: a gloo worker hands a collective's result back (the caller's ``wait`` returns) before it drops its own

@@ -174,7 +174,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     dist.all_gather(gathered, torch.full((2,), float(rank)))
     result["gathered"] = torch.cat(gathered).tolist()
     del gathered
-    tasks = Path("/proc/self/task")
+    tasks = distributed.THREADS
     result["workers_before_cleanup"] = len(distributed._thread_states(tasks, distributed.GLOO_WORKER))
     distributed.cleanup()
     result["workers_after_cleanup"] = sorted(distributed._thread_states(tasks, distributed.GLOO_WORKER).values())
