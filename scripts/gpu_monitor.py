@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from scripts.config import as_bool
+from scripts.events import on_exception_first
 
 logger = logging.getLogger(__name__)
 
@@ -362,11 +363,8 @@ class GpuMonitor:
         fig.savefig(self.png_path, dpi=100)
 
     def attach(self, engine: Any) -> None:
-        """Start on ``STARTED``; stop on ``COMPLETED`` and on ``EXCEPTION_RAISED``.
-
-        The exception handler is moved to the front of that event's handlers: handlers that re-raise (MONAI's
-        ``StatsHandler`` does) end the chain, and the CSV must be closed and the plot drawn first. It re-raises
-        only when it is the event's only handler (ignite re-raises by itself only when there is none).
+        """Start on ``STARTED``; stop on ``COMPLETED`` and, first of all, on ``EXCEPTION_RAISED``: the CSV is closed
+        and the plot drawn before a handler that re-raises ends the chain (:func:`scripts.events.on_exception_first`).
         """
         from ignite.engine import Events
 
@@ -374,29 +372,13 @@ class GpuMonitor:
             return
         engine.add_event_handler(Events.STARTED, lambda _: self.start())
         engine.add_event_handler(Events.COMPLETED, lambda _: self.stop())
-        engine.add_event_handler(Events.EXCEPTION_RAISED, self._on_exception)
-        handlers = _exception_handlers(engine)
-        if handlers:
-            handlers.insert(0, handlers.pop())
-
-    def _on_exception(self, engine: Any, err: BaseException) -> None:
-        self.stop()
-        if len(_exception_handlers(engine)) <= 1:
-            raise err
+        on_exception_first(engine, self.stop)
 
     def __enter__(self) -> GpuMonitor:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-def _exception_handlers(engine: Any) -> list:
-    """ignite's (private) list of ``EXCEPTION_RAISED`` handlers of ``engine``; empty if its layout ever changes."""
-    from ignite.engine import Events
-
-    handlers = getattr(engine, "_event_handlers", {})
-    return handlers.get(Events.EXCEPTION_RAISED, []) if isinstance(handlers, dict) else []
 
 
 def watch(

@@ -77,6 +77,24 @@ def test_validation_picture_reaches_tensorboard(demo_run):
     assert any(tag.startswith("validation/") for tag in tags), tags
 
 
+def test_every_training_steps_loss_reaches_the_log_and_tensorboard_once(demo_run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tmp, result, _ = demo_run
+    logged = re.findall(r"Epoch: (\d+)/\d+, Iter: (\d+)/(\d+) -- train_loss: ([0-9.]+)", result.stdout)
+    steps = int(logged[0][2])
+    assert [(int(e), int(i)) for e, i, _, _ in logged] == [
+        (e, i) for e in range(1, DEMO_TEST_EPOCHS + 1) for i in range(1, steps + 1)
+    ], "each step once, in order, under its own epoch and step"
+    scalars = []
+    for events in (tmp / "run").glob("events.out.tfevents.*"):
+        accumulator = EventAccumulator(str(events))
+        accumulator.Reload()
+        scalars += accumulator.Scalars("train_loss") if "train_loss" in accumulator.Tags()["scalars"] else []
+    assert [s.step for s in sorted(scalars, key=lambda s: s.step)] == list(range(1, len(logged) + 1))
+    assert [round(s.value, 4) for s in sorted(scalars, key=lambda s: s.step)] == [float(v) for *_, v in logged]
+
+
 @pytest.fixture(scope="module")
 def resumed(tmp_path_factory, tiny_data) -> dict[str, Path | str]:
     """Two epochs straight through; the same run (started with --resume true and no checkpoint yet) killed during
