@@ -1,15 +1,19 @@
 """Training throughput with the switches in force: a timer on the trainer's own events, and its JSON report.
 
 :class:`StepTimer` lets ``warmup`` iterations pass (compilation, cache warm-up, cuDNN/MIOpen algorithm search), then
-times ``steps`` iterations and stops the trainer. For each timed step it records the wait for the batch
-(``GET_BATCH_STARTED`` -> ``GET_BATCH_COMPLETED``) and the whole step (batch wait + transfer + forward, backward,
-optimiser; the device is synchronised before the clock is read, so asynchronous GPU work is counted). It writes
+times ``steps`` iterations and stops the trainer. The timed steps run back to back, as in training: the device is
+synchronised only where the timed window starts and ends, and a step's time is the interval between its end and the
+previous step's end on the device's own timeline (CUDA events recorded behind each step; the host clock on a CPU). So
+the host issuing the next step while the device still runs this one counts as it does in training, and a host that
+cannot keep up shows as a longer step. (Before 0.11.2 the device was synchronised around every step: each step then
+began with an empty device, which counted the host's time to issue the first kernels as device idle time.) For each
+timed step it also records the host's wait for the batch (``GET_BATCH_STARTED`` -> ``GET_BATCH_COMPLETED``). It writes
 ``benchmark.json`` -- ms/step (median, p90), patches/s, the fraction of step time spent waiting for data, peak
 device memory (peak RSS on a CPU), the device report and the switches -- and prints one summary line.
 
 The warm-up steps are timed too and reported apart (``first_step_s``: compilation and the algorithm search happen
 there; ``warmup_s``: all of them), so a compiled run shows both its compile time and its steady state. On a GPU,
-``busy_steps`` more steps run under ``torch.profiler`` (device activity only) after the timed ones:
+``busy_steps`` more steps run under ``torch.profiler`` (device activity only) after the timed ones, back to back too:
 ``gpu_busy_fraction`` is the time during which at least one kernel or copy ran on the device over those steps' wall
 time -- what is left is the device waiting for the host (data, Python, kernel launches). The profiled steps are not
 among the timed ones; with ``trace`` their chrome trace is written there too (``python -m scripts.summarize_trace``
@@ -82,6 +86,7 @@ class StepTimer:
         self._profiler: torch.profiler.profile | None = None
         self._profiled = 0
         self._profile_start = 0.0
+        self._marks: list[Any] = []  # the timed window's marks: its start, then each timed step's end
         self.epochs = 0  # the trainer's epochs when it stopped: 1 where the steps ran in one epoch (benchmark.yaml)
 
     def attach(self, engine: Engine) -> None:
@@ -94,20 +99,43 @@ class StepTimer:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    def _mark(self) -> Any:
+        """A point on the device's timeline, taken without waiting: an event behind the work issued so far (a GPU),
+        or the host clock (a CPU, where the work is done when the host gets here)."""
+        if self.device.type != "cuda":
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def _seconds(self, start: Any, end: Any) -> float:
+        """The device time between two marks; a GPU's events must have completed (after a synchronise)."""
+        return end - start if self.device.type != "cuda" else start.elapsed_time(end) / 1000
+
+    def _back_to_back(self) -> bool:
+        """Whether this step runs in the timed window or in the profiled one: no synchronising there."""
+        return self._count >= self.warmup
+
     def _batch_started(self, engine: Engine) -> None:
-        self._sync()
+        if not self._back_to_back():  # a warm-up step is timed alone: compilation and algorithm search happen there
+            self._sync()
         self._t0 = time.perf_counter()
 
     def _batch_completed(self, engine: Engine) -> None:
         self._t1 = time.perf_counter()
 
     def _iteration_completed(self, engine: Engine) -> None:
-        self._sync()
+        back_to_back = self._back_to_back()
+        mark = self._mark() if back_to_back and self._profiler is None else None
+        if not back_to_back:
+            self._sync()
         end = time.perf_counter()
         self._count += 1
         if self._profiler is not None:  # the steps after the timed ones, profiled for the device's busy time
             self._profiled += 1
             if self._profiled >= self.busy_steps:
+                self._sync()
+                end = time.perf_counter()
                 self._profiler.stop()
                 events = self._profiler.profiler.kineto_results.events()
                 device = [
@@ -122,12 +150,17 @@ class StepTimer:
             return
         if self._count <= self.warmup:
             self.warmup_times.append(end - self._t0)
-        if self._count == self.warmup and self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
+        if self._count == self.warmup:  # the device is idle here (synchronised): the timed window starts
+            if self.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(self.device)
+            self._marks = [self._mark()]
         if self._count > self.warmup:
             self.wait.append(self._t1 - self._t0)
-            self.total.append(end - self._t0)
-        if len(self.total) >= self.steps:
+            self._marks.append(mark)
+        if len(self._marks) > self.steps:
+            self._sync()  # every mark has been passed: the steps' times can be read
+            self.total = [self._seconds(a, b) for a, b in zip(self._marks, self._marks[1:])]
+            self._marks = []
             if not self.busy_steps:
                 engine.terminate()
                 return

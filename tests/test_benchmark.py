@@ -138,11 +138,28 @@ class _FakeKineto:
         Path(path).write_text(json.dumps({"traceEvents": [{"name": "kernel", "ph": "X"}]}))
 
 
+class _FakeEvent:
+    """A CUDA event stood in for: recorded at a host time, the device being as fast as the host here."""
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        assert enable_timing, "an event without timing cannot give elapsed times"
+        self.at = None
+
+    def record(self) -> None:
+        self.at = time.perf_counter()
+
+    def elapsed_time(self, end: _FakeEvent) -> float:
+        return 1000 * (end.at - self.at)
+
+
 def test_on_a_gpu_extra_profiled_steps_give_the_busy_share(tmp_path, monkeypatch):
-    """The control flow a GPU takes, with CUDA's calls and the profiler stood in for: the busy steps run after the
-    timed ones, are not among them, and give the device's share of their wall time."""
-    for name in ("synchronize", "reset_peak_memory_stats"):
-        monkeypatch.setattr(benchmark.torch.cuda, name, lambda *a: None)
+    """The control flow a GPU takes, with CUDA's calls and the profiler stood in for: the timed steps run back to back
+    (the device synchronised where the window starts and ends, not between them) and are timed by events; the busy
+    steps run after them, back to back too, are not among them, and give the device's share of their wall time."""
+    synced_after = []
+    monkeypatch.setattr(benchmark.torch.cuda, "synchronize", lambda *a: synced_after.append(engine.state.iteration))
+    monkeypatch.setattr(benchmark.torch.cuda, "reset_peak_memory_stats", lambda *a: None)
+    monkeypatch.setattr(benchmark.torch.cuda, "Event", _FakeEvent)
     monkeypatch.setattr(benchmark.torch.cuda, "max_memory_allocated", lambda *a: 2**30)
     made = []
     monkeypatch.setattr(benchmark.torch.profiler, "profile", lambda activities: made.append(_FakeKineto(activities))
@@ -161,6 +178,10 @@ def test_on_a_gpu_extra_profiled_steps_give_the_busy_share(tmp_path, monkeypatch
     assert result["peak_memory_kind"] == "device, torch allocator" and result["peak_memory_gib"] == 1.0
     assert result["busy_trace"] == str(trace) and json.loads(trace.read_text())["traceEvents"][0]["name"] == "kernel"
     assert result["cuda_graphs"] == graphs, "what the iteration reports of its CUDA graph"
+    step_ms = 1000 * (DATA_S + STEP_S)
+    assert step_ms <= result["ms_per_step_median"] < step_ms + 40, "a step: from the previous step's end to its end"
+    warm_up = [i for step in range(1, WARMUP + 1) for i in (step - 1, step)]  # before and after each warm-up step
+    assert synced_after == [*warm_up, WARMUP + STEPS, WARMUP + STEPS + 3], "no synchronising between timed steps"
 
 
 def test_the_report_counts_this_runs_compile_cache_hits_only(tmp_path, monkeypatch):
