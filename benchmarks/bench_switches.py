@@ -54,7 +54,8 @@ def learning_rate_for(patches: int, base: float = 1.0e-4, base_patches: int = 4)
 #: defaults (compile auto on: regional, fp16), then the same again (which compiles from the first's cache); compile's
 #: reduce-overhead captures each region itself, so it turns the whole step's graph off; the compiled step with the
 #: window attention as one scaled_dot_product_attention (compiled, the attention's softmax is the step's largest
-#: kernel class, docs/performance.md)
+#: kernel class, docs/performance.md); 0.11.1's step is the defaults as 0.11.1 ran and timed them (the batch as a
+#: MetaTensor, decollated after each step, which read the loss off the GPU; the GPU synchronised around each step)
 SWITCH_SETS: dict[str, tuple[dict[str, str], bool]] = {
     "original-style loop (no cache, DataLoader, fp16)": (
         {"cache": "none", "num_workers": "4", "amp": "true", "amp_dtype": "float16", "fused_optimizer": "false"},
@@ -62,6 +63,14 @@ SWITCH_SETS: dict[str, tuple[dict[str, str], bool]] = {
     ),
     "0.7 defaults (cache memory, 4 workers)": ({"cache": "memory", "num_workers": "4"}, False),
     "bundle defaults (cache auto)": ({}, False),
+    "0.11.1's step (MetaTensor batch, decollated, synchronised steps)": (
+        {
+            "train#trainer#prepare_batch": "$monai.engines.default_prepare_batch",
+            "train#trainer#decollate": "true",
+            "benchmark_sync_steps": "true",
+        },
+        False,
+    ),
     "CUDA graphs (fp16)": ({"cuda_graphs": "true"}, True),
     "8 patches a step (fp16, lr x1.41)": ({"num_samples": "8", "learning_rate": learning_rate_for(8)}, True),
     "16 patches a step (fp16, lr x2)": ({"num_samples": "16", "learning_rate": learning_rate_for(16)}, True),

@@ -86,7 +86,8 @@ TARGETS = {"patches_per_s": 45.0, "defaults_patches_per_s": 35.0, "mfu_percent":
            "network_s": 0.25}  # fmt: skip
 #: the throughput rows (bench_switches' sets), in three steps: first today's defaults (the baseline: compile auto is
 #: off in a benchmark's short run; cuda_graphs was off when the last GPU run measured them and is on since, so the
-#: next run's defaults row holds the graphs and its "CUDA graphs" row repeats it) and the new rows -- CUDA graphs, 8
+#: next run's defaults row holds the graphs and its "CUDA graphs" row repeats it), the same as 0.11.1 ran and timed it
+#: (the before of 0.11.2's host-side changes, on the same GPU) and the new rows -- CUDA graphs, 8
 #: and 16 patches a step with the learning-rate rule; then the compile rows, each in a process of its own sharing one
 #: compile cache: the full training's defaults (compile auto on there) with the cache empty, then from it with CUDA
 #: graphs; last compile's reduce-overhead and the rows earlier runs measured (bf16 and its switches, 0.7's defaults,
@@ -94,7 +95,9 @@ TARGETS = {"patches_per_s": 45.0, "defaults_patches_per_s": 35.0, "mfu_percent":
 SEED_SET, DEFAULTS_SET = "original-style loop (no cache, DataLoader, fp16)", "bundle defaults (cache auto)"
 GRAPHS_SET, HOST_CACHE_SET = "CUDA graphs (fp16)", "0.7 defaults (cache memory, 4 workers)"
 COMPILE_SET, COMPILE_GRAPHS_SET = "compile regional (fp16)", "compile regional (fp16) + CUDA graphs"
-THROUGHPUT_SETS = (DEFAULTS_SET, GRAPHS_SET, "8 patches a step (fp16, lr x1.41)", "16 patches a step (fp16, lr x2)")
+OLD_STEP_SET = "0.11.1's step (MetaTensor batch, decollated, synchronised steps)"
+THROUGHPUT_SETS = (DEFAULTS_SET, OLD_STEP_SET, GRAPHS_SET, "8 patches a step (fp16, lr x1.41)",
+                   "16 patches a step (fp16, lr x2)")  # fmt: skip
 COMPILE_SETS = (COMPILE_SET, COMPILE_GRAPHS_SET)
 EARLIER_SETS = ("amp bfloat16", "fused window attention (bf16)", "channels_last (bf16)", HOST_CACHE_SET, SEED_SET)
 #: the rows of the last step never measured, before the earlier runs' rows, budget allowing (`--only
@@ -170,6 +173,7 @@ GPU = Sizes(
         "throughput_earlier": 25,
         "fullct_inference": 52,  # est.: four runs of 13 s (two: 25.5 s)
         DEFAULTS_SET: 33,
+        OLD_STEP_SET: 15,  # est.: as the CUDA graphs row (the defaults' cache and algorithm search shared)
         GRAPHS_SET: 15,  # est.
         "8 patches a step (fp16, lr x1.41)": 30,  # est.
         "16 patches a step (fp16, lr x2)": 45,  # est.

@@ -6,7 +6,8 @@ synchronised only where the timed window starts and ends, and a step's time is t
 previous step's end on the device's own timeline (CUDA events recorded behind each step; the host clock on a CPU). So
 the host issuing the next step while the device still runs this one counts as it does in training, and a host that
 cannot keep up shows as a longer step. (Before 0.11.2 the device was synchronised around every step: each step then
-began with an empty device, which counted the host's time to issue the first kernels as device idle time.) For each
+began with an empty device, which counted the host's time to issue the first kernels as device idle time;
+``sync_steps`` measures that way still, for a comparison on the same GPU.) For each
 timed step it also records the host's wait for the batch (``GET_BATCH_STARTED`` -> ``GET_BATCH_COMPLETED``). It writes
 ``benchmark.json`` -- ms/step (median, p90), patches/s, the fraction of step time spent waiting for data, peak
 device memory (peak RSS on a CPU), the device report and the switches -- and prints one summary line.
@@ -30,6 +31,7 @@ import logging
 import resource
 import time
 from collections.abc import Iterable
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +39,7 @@ import numpy as np
 import torch
 from ignite.engine import Engine, Events
 from scripts.compilation import cache_counters
+from scripts.config import as_bool
 from scripts.distributed import is_rank0, world_size
 from scripts.files import write_json
 
@@ -63,6 +66,7 @@ class StepTimer:
         busy_steps: int = 5,
         trace: str | Path | None = None,
         iteration: Any = None,
+        sync_steps: bool = False,
     ) -> None:
         self.path = Path(path)
         self.device = torch.device(device)
@@ -76,6 +80,7 @@ class StepTimer:
         self.trace = Path(trace) if trace else None  # where the busy steps' chrome trace goes (None: not kept)
         self.trace_written: str | None = None
         self.iteration = iteration  # the trainer's iteration_update, when it reports what it did (summary())
+        self.sync_steps = as_bool(sync_steps, "benchmark_sync_steps")  # each step timed alone (0.11.1's method)
         self.compile_counters = cache_counters()  # this process's counts before the run: the report gives the run's
         self.wait: list[float] = []
         self.total: list[float] = []
@@ -87,6 +92,7 @@ class StepTimer:
         self._profiled = 0
         self._profile_start = 0.0
         self._marks: list[Any] = []  # the timed window's marks: its start, then each timed step's end
+        self._alone: list[float] = []  # with sync_steps: each timed step from its batch's start to its end
         self.epochs = 0  # the trainer's epochs when it stopped: 1 where the steps ran in one epoch (benchmark.yaml)
 
     def attach(self, engine: Engine) -> None:
@@ -113,12 +119,18 @@ class StepTimer:
         return end - start if self.device.type != "cuda" else start.elapsed_time(end) / 1000
 
     def _back_to_back(self) -> bool:
-        """Whether this step runs in the timed window or in the profiled one: no synchronising there."""
-        return self._count >= self.warmup
+        """Whether this step runs in the timed window or in the profiled one: no synchronising there (unless
+        ``sync_steps`` asks for 0.11.1's method)."""
+        return self._count >= self.warmup and not self.sync_steps
 
     def _batch_started(self, engine: Engine) -> None:
         if not self._back_to_back():  # a warm-up step is timed alone: compilation and algorithm search happen there
             self._sync()
+        if self._count == self.warmup and not self._marks:  # the timed window starts, the device idle
+            self._sync()
+            if self.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(self.device)
+            self._marks = [self._mark()]
         self._t0 = time.perf_counter()
 
     def _batch_completed(self, engine: Engine) -> None:
@@ -150,17 +162,14 @@ class StepTimer:
             return
         if self._count <= self.warmup:
             self.warmup_times.append(end - self._t0)
-        if self._count == self.warmup:  # the device is idle here (synchronised): the timed window starts
-            if self.device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(self.device)
-            self._marks = [self._mark()]
         if self._count > self.warmup:
             self.wait.append(self._t1 - self._t0)
             self._marks.append(mark)
-        if len(self._marks) > self.steps:
+            self._alone.append(end - self._t0)
+        if self._count == self.warmup + self.steps:
             self._sync()  # every mark has been passed: the steps' times can be read
-            self.total = [self._seconds(a, b) for a, b in zip(self._marks, self._marks[1:])]
-            self._marks = []
+            marks, self._marks = self._marks, []
+            self.total = self._alone if self.sync_steps else [self._seconds(a, b) for a, b in pairwise(marks)]
             if not self.busy_steps:
                 engine.terminate()
                 return

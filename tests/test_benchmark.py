@@ -77,6 +77,15 @@ def test_times_match_the_injected_ones_and_leave_out_the_warmup(measured):
     assert result["gpu_busy_fraction"] is None and result["busy_steps"] == 0, "kernel time is a GPU measure"
 
 
+def test_without_warm_up_the_first_step_is_timed_too(tmp_path):
+    engine = trainer()
+    StepTimer(tmp_path / "b.json", "cpu", warmup=0, steps=3).attach(engine)
+    engine.run(slow_batches(), max_epochs=1, epoch_length=1000)
+    result = json.loads((tmp_path / "b.json").read_text())["result"]
+    assert engine.state.iteration == 3 and result["timed_steps"] == 3 and result["first_step_s"] is None
+    assert result["ms_per_step_p90"] >= 1000 * (WARMUP_STEP_S + DATA_S), "the slow first step is among them"
+
+
 def test_report_carries_the_switches_and_the_device(measured):
     _, _, path = measured
     report = json.loads(path.read_text())
@@ -181,7 +190,8 @@ def test_on_a_gpu_extra_profiled_steps_give_the_busy_share(tmp_path, monkeypatch
     step_ms = 1000 * (DATA_S + STEP_S)
     assert step_ms <= result["ms_per_step_median"] < step_ms + 40, "a step: from the previous step's end to its end"
     warm_up = [i for step in range(1, WARMUP + 1) for i in (step - 1, step)]  # before and after each warm-up step
-    assert synced_after == [*warm_up, WARMUP + STEPS, WARMUP + STEPS + 3], "no synchronising between timed steps"
+    window = [WARMUP, WARMUP + STEPS, WARMUP + STEPS + 3]  # where the timed window starts and ends, the busy end
+    assert synced_after == [*warm_up, *window], "no synchronising between timed steps"
 
 
 def test_the_report_counts_this_runs_compile_cache_hits_only(tmp_path, monkeypatch):
