@@ -107,25 +107,43 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def run_nodes(commands: list[list[str]], cwd: Path, timeout_s: float = 900, grace_s: float = 20) -> tuple:
+    """Each command as one node; their exit codes and logs. When a node fails, the others get ``grace_s`` to end and
+    are then killed: torchrun's agent would otherwise wait 300 s at its exit barrier for the failed one."""
+    outs = [(cwd / f"node{i}.log").open("w") for i in range(len(commands))]
+    nodes = [subprocess.Popen(c, cwd=cwd, stdout=o, stderr=subprocess.STDOUT, env=RANK_ENV)
+             for c, o in zip(commands, outs)]  # fmt: skip
+    deadline, failed_at = time.monotonic() + timeout_s, None
+    while any(n.poll() is None for n in nodes) and time.monotonic() < deadline:
+        if failed_at is None and any(n.poll() not in (None, 0) for n in nodes):
+            failed_at = time.monotonic()
+        if failed_at is not None and time.monotonic() > failed_at + grace_s:
+            break
+        time.sleep(0.5)
+    for node in nodes:
+        if node.poll() is None:
+            node.kill()
+        node.wait()
+    for out in outs:
+        out.close()
+    return [n.returncode for n in nodes], [(cwd / f"node{i}.log").read_text() for i in range(len(commands))]
+
+
+def test_a_failed_node_ends_the_others_after_a_grace_instead_of_torchruns_300_s(tmp_path):
+    started = time.monotonic()
+    sleeper, failing = [sys.executable, "-c", "import time; time.sleep(600)"], [sys.executable, "-c", "exit(3)"]
+    codes, _ = run_nodes([sleeper, failing], tmp_path, grace_s=1)
+    assert codes == [-signal.SIGKILL, 3] and time.monotonic() - started < 60
+
+
 def test_two_nodes_on_localhost_with_partitioned_cache(ddp_data, tmp_path):
     demo_tmp = ddp_data
     port = free_port()
     launcher = ["--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}",
                 "--rdzv_id=pytest"]  # fmt: skip
     args = bundle_args(demo_tmp, tmp_path / "run", partition_cache="true")
-    nodes = [
-        subprocess.Popen(
-            torchrun(*launcher, *args),
-            cwd=tmp_path,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=RANK_ENV,
-        )
-        for _ in range(2)
-    ]
-    logs = [node.communicate(timeout=900)[0] for node in nodes]
-    assert [node.returncode for node in nodes] == [0, 0], logs[0][-3000:] + logs[1][-3000:]
+    codes, logs = run_nodes([torchrun(*launcher, *args)] * 2, tmp_path)
+    assert codes == [0, 0], logs[0][-3000:] + logs[1][-3000:]
     held = {}
     for rank, _, ids in re.findall(r"rank (\d) holds (\d+) training case\(s\): ([\w\- ]+)", "\n".join(logs)):
         held[rank] = set(ids.split())
