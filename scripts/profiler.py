@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from ignite.engine import Engine, Events
 from monai.engines.utils import IterationEvents
+from scripts.events import on_exception_first
 from scripts.files import write_json
 
 logger = logging.getLogger(__name__)
@@ -160,7 +161,7 @@ class ProfilerHandler:
         engine.add_event_handler(Events.STARTED, self.start)
         engine.add_event_handler(Events.ITERATION_COMPLETED, self.step)
         engine.add_event_handler(Events.COMPLETED, self.stop)
-        engine.add_event_handler(Events.EXCEPTION_RAISED, self.stop)
+        on_exception_first(engine, self.stop)  # the steps profiled before an error are written, then it propagates
 
     def start(self, _engine: Engine | None = None) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
