@@ -675,6 +675,14 @@ class RuntimeLog(logging.Handler):
         return taken
 
 
+def _read(path: Path) -> str:
+    """A /proc file of a thread, or "" when the thread ended between listing and reading (a pool's worker, joined)."""
+    try:
+        return path.read_text()
+    except FileNotFoundError:
+        return ""
+
+
 def process_state() -> dict:
     """This process's resident memory (MB), threads and child processes, from /proc. The threads: the fewest of five
     counts 20 ms apart -- a thread Python has joined (the case writers' pool, as_float32's) can stay listed in
@@ -682,7 +690,7 @@ def process_state() -> dict:
     left behind stays in every count."""
     status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
     tasks = list(Path("/proc/self/task").iterdir())
-    children = [c for t in tasks for c in (t / "children").read_text().split()]
+    children = [c for t in tasks for c in _read(t / "children").split()]
     counts = [len(tasks)]
     for _ in range(4):
         time.sleep(0.02)
