@@ -28,14 +28,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 
 class HostReads(TorchDispatchMode):
-    """Counts ``aten._local_scalar_dense``: a value read to the host (``.item()``, ``float()``, ``bool()``)."""
+    """The tensors whose values are read to the host (``aten._local_scalar_dense``: ``.item()``, ``float()``,
+    ``bool()``), by their data pointers, in order."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.count = 0
+        self.read: list[int] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += func.overloadpacket.__name__ == "_local_scalar_dense"
+        if func.overloadpacket.__name__ == "_local_scalar_dense":
+            self.read.append(args[0].data_ptr())
         return func(*args, **(kwargs or {}))
 
 
@@ -74,7 +76,7 @@ def host_ms(network: torch.nn.Module, loss_fn, patches: int, roi: int, meta: dic
             elapsed = time.perf_counter() - start
         if i >= 2:
             times.append(elapsed * 1e3)
-            reads.append(counter.count)
+            reads.append(len(counter.read))
     return statistics.median(times), statistics.median(reads)
 
 

@@ -10,11 +10,11 @@ import re
 
 import pytest
 import torch
+from benchmarks.bench_host import HostReads
 from ignite.engine import Engine, Events
 from monai.engines import SupervisedTrainer
 from monai.handlers import StatsHandler
 from scripts.loss_log import LossLog
-from torch.utils._python_dispatch import TorchDispatchMode
 
 
 class Device:
@@ -133,19 +133,6 @@ def test_with_monais_stats_handler_the_error_still_propagates(caplog):
 def test_no_event_file_is_opened_before_a_value(tmp_path):
     LossLog(log_dir=str(tmp_path)).attach(Engine(lambda e, b: {"loss": torch.tensor(0.0)}))
     assert not list(tmp_path.iterdir())
-
-
-class HostReads(TorchDispatchMode):
-    """Which tensors' values a step reads to the host (``aten._local_scalar_dense``: ``.item()``, ``float()``)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.read: list[int] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.overloadpacket.__name__ == "_local_scalar_dense":
-            self.read.append(args[0].data_ptr())
-        return func(*args, **(kwargs or {}))
 
 
 def trainer(decollate: bool, handlers: list) -> SupervisedTrainer:
