@@ -92,7 +92,7 @@ class StepTimer:
         self._profiled = 0
         self._profile_start = 0.0
         self._marks: list[Any] = []  # the timed window's marks: its start, then each timed step's end
-        self._alone: list[float] = []  # with sync_steps: each timed step from its batch's start to its end
+        self._started = False  # whether the timed window has started
         self.epochs = 0  # the trainer's epochs when it stopped: 1 where the steps ran in one epoch (benchmark.yaml)
 
     def attach(self, engine: Engine) -> None:
@@ -126,11 +126,12 @@ class StepTimer:
     def _batch_started(self, engine: Engine) -> None:
         if not self._back_to_back():  # a warm-up step is timed alone: compilation and algorithm search happen there
             self._sync()
-        if self._count == self.warmup and not self._marks:  # the timed window starts, the device idle
+        if self._count == self.warmup and not self._started:  # the timed window starts, the device idle
+            self._started = True
             self._sync()
             if self.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(self.device)
-            self._marks = [self._mark()]
+            self._marks = [] if self.sync_steps else [self._mark()]
         self._t0 = time.perf_counter()
 
     def _batch_completed(self, engine: Engine) -> None:
@@ -164,12 +165,15 @@ class StepTimer:
             self.warmup_times.append(end - self._t0)
         if self._count > self.warmup:
             self.wait.append(self._t1 - self._t0)
-            self._marks.append(mark)
-            self._alone.append(end - self._t0)
+            if self.sync_steps:
+                self.total.append(end - self._t0)  # the step alone, from its batch's start to its end
+            else:
+                self._marks.append(mark)
         if self._count == self.warmup + self.steps:
             self._sync()  # every mark has been passed: the steps' times can be read
-            marks, self._marks = self._marks, []
-            self.total = self._alone if self.sync_steps else [self._seconds(a, b) for a, b in pairwise(marks)]
+            if not self.sync_steps:
+                self.total = [self._seconds(a, b) for a, b in pairwise(self._marks)]
+            self._marks = []
             if not self.busy_steps:
                 engine.terminate()
                 return

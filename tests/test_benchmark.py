@@ -194,6 +194,23 @@ def test_on_a_gpu_extra_profiled_steps_give_the_busy_share(tmp_path, monkeypatch
     assert synced_after == [*warm_up, *window], "no synchronising between timed steps"
 
 
+def test_sync_steps_times_each_step_alone_as_before_0_11_2(tmp_path, monkeypatch):
+    """The old method, kept for a same-GPU comparison: the device synchronised before and after every step."""
+    synced_after = []
+    monkeypatch.setattr(benchmark.torch.cuda, "synchronize", lambda *a: synced_after.append(engine.state.iteration))
+    monkeypatch.setattr(benchmark.torch.cuda, "reset_peak_memory_stats", lambda *a: None)
+    monkeypatch.setattr(benchmark.torch.cuda, "max_memory_allocated", lambda *a: 2**30)
+    monkeypatch.setattr(benchmark.torch.cuda, "Event", lambda **kw: pytest.fail("no event: each step is timed alone"))
+    engine = trainer()
+    StepTimer(tmp_path / "gpu.json", "cuda", warmup=WARMUP, steps=STEPS, busy_steps=0, sync_steps="true").attach(engine)
+    engine.run(slow_batches(), max_epochs=1, epoch_length=1000)
+    result = json.loads((tmp_path / "gpu.json").read_text())["result"]
+    alone = [i for step in range(1, WARMUP + STEPS + 1) for i in (step - 1, step)]  # before and after each step
+    window = 2 * WARMUP  # where the timed window starts (synchronised once more) and ends (once more)
+    assert synced_after == [*alone[:window], WARMUP, *alone[window:], WARMUP + STEPS]
+    assert result["timed_steps"] == STEPS and result["ms_per_step_median"] >= 1000 * (DATA_S + STEP_S)
+
+
 def test_the_report_counts_this_runs_compile_cache_hits_only(tmp_path, monkeypatch):
     """torch's counters count for the whole process (a bench runs many rows in one): the report gives the difference
     over this run; without a trace file or an iteration that reports, those say None."""
