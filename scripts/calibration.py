@@ -3,7 +3,7 @@
 Post-training quantisation measures the range of every activation on a few real inputs and picks each int8 scale
 from it: windows unlike those inference feeds (random noise, an empty volume) give scales that clip a CT's tissue or
 waste the 256 levels on values never seen. So the windows are the very ones inference would run: each calibration CT
-goes through the bundle's own loading and CT preprocessing (:func:`scripts.inputs.load_case`, ``ct_transforms``) and
+goes through the bundle's own loading and CT preprocessing (:class:`scripts.inputs.LoadCased`, ``ct_transforms``) and
 its own sliding window (``sliding_window_inferer``: the windows of the thorax region), and a few of those windows,
 spread evenly over the region, are kept. Where they come from (``int8_calibration``):
 
@@ -36,7 +36,7 @@ import torch
 from monai.data import MetaTensor
 from monai.transforms import Compose
 from monai.utils.enums import MetaKeys
-from scripts.inputs import InferenceInputError, find_inputs, load_case
+from scripts.inputs import InferenceInputError, LoadCased, find_inputs
 
 if TYPE_CHECKING:
     from scripts.inferers import FallbackSlidingWindowInferer
@@ -125,10 +125,8 @@ class Calibration:
             if missing == 0:
                 break
             share = math.ceil(missing / max(1, self._planned - number))
-            if "ct" in case:
-                ct = case["ct"]()
-            else:
-                ct = load_case(case["image"], case.get("source", "nifti"), case.get("slice_paths"))
+            # a phantom in memory, or a case read by inference's reader (which refuses a NIfTI label map as there)
+            ct = case["ct"]() if "ct" in case else LoadCased("image")(case)["image"]
             image = preprocessing({"image": ct})["image"]
             seen: list[torch.Tensor] = []
             with torch.no_grad():

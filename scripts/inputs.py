@@ -34,7 +34,7 @@ from scripts.cpus import usable_cpus
 from scripts.dicom import DicomCaseError, read_ct_series, scan_ct_series
 from scripts.dicom.ct import SeriesSource, SliceMap
 from scripts.dicom.discovery import DicomIndex, scan
-from scripts.dicom.series_rules import SeriesRules
+from scripts.dicom.series_rules import PREFERENCE, SeriesRules
 from scripts.files import check_case_name, display_name, unique_name, write_json
 
 logger = logging.getLogger(__name__)
@@ -55,6 +55,9 @@ PLANES_PER_CHUNK = 16
 IDENTITY = ("case_id", "source", "source_path")
 #: the key under which a :class:`CaseDataset` item carries its index in the dataset (its record's place)
 CASE_INDEX = "case_index"
+#: a NIfTI whose values span less than this is not a CT in Hounsfield units (a label map, a mask, a normalised
+#: image): any CT holds air (about -1000 HU) and soft tissue (0 to 100 HU), so its values span 900 or more
+MIN_HU_SPAN = 200.0
 
 
 class InferenceInputError(ValueError):
@@ -76,7 +79,7 @@ def find_inputs(
     root = Path(input_dir)
     if not root.exists():
         raise InferenceInputError(f"--input_dir {root}: no such file or folder.")
-    index = scan(root, exclude=[] if report_dir is None else [report_dir], progress=False)
+    index = scan(root, progress=False, skip_folder=_not_inputs(report_dir))
     dicom, failed = index.inference_cases(series_rules)
     cases = [{**c, "source": "dicom", "source_path": c["image"]} for c in dicom]
     taken = {c["case_id"] for c in cases + failed}
@@ -97,12 +100,11 @@ def find_inputs(
     for case in cases:
         try:
             check_case_name(case["case_id"])
-            _check_input(case)
-        except (DicomCaseError, InferenceInputError, ValueError) as err:
-            reason = str(err) if case["image"] in str(err) else f"{display_name(case['image'])}: {err}"
+            runnable.append(_checked(case, index))
+        except Exception as err:  # one input that cannot work never stops the others
+            reason = str(err) if isinstance(err, (DicomCaseError, InferenceInputError)) else root_message(err)
+            reason = reason if case["image"] in reason else f"{display_name(case['image'])}: {reason}"
             failed.append({**case, "status": "failed", "stage": "check", "reason": reason})
-            continue
-        runnable.append(case)
     skipped = _skipped_folders(root, index)
     for entry in failed:
         logger.error("failed: %s", entry["reason"])
@@ -143,15 +145,35 @@ def write_report(folder: str | Path, report: dict) -> Path:
 
 
 def _skipped_folders(root: Path, index: DicomIndex) -> list[dict]:
-    """The top-level folders of ``root`` that hold no CT image and no NIfTI file."""
+    """The folders not read (an earlier run's outputs, this run's, a top-level link to a folder read already), with
+    why, and the other top-level folders of ``root`` that hold no CT image and no NIfTI file."""
     if not root.is_dir():
         return []
     found = {Path(rel).parts[0] for rel, h in index.headers.items() if h["kind"] == "ct" or _is_nifti(Path(rel))}
-    return [
-        {"input": display_name(str(child)), "reason": f"{display_name(str(child))}: no CT series (DICOM) or NIfTI."}
-        for child in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
-        if child.name not in found
-    ]
+    why = {rel: f"{why}." for rel, why in index.folders_skipped.items()}
+    for rel, first in index.links_again.items():  # a link at the top, where a user looks; deeper ones are clutter
+        if len(Path(rel).parts) == 1:
+            why[rel] = f"the same folder as {display_name(str(root / first))}, reached again through a link: read once."
+    for child in (p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):
+        if child.name not in found and not any(Path(rel).parts[:1] == (child.name,) for rel in why):
+            why[child.name] = "no CT series (DICOM) or NIfTI."
+    named = {rel: display_name(str(root / rel)) for rel in why}
+    return [{"input": named[rel], "reason": f"{named[rel]}: {why[rel]}"} for rel in sorted(why)]
+
+
+def _not_inputs(output_dir: str | Path | None) -> Callable[[Path, Sequence[str]], str | None]:
+    """For :func:`scripts.dicom.discovery.scan`: why a folder under ``--input_dir`` holds no input -- it is this run's
+    output folder, or an earlier run's (it holds :data:`REPORT`), whose label maps would be read as CTs."""
+    ours = None if output_dir is None else Path(output_dir).resolve()
+
+    def why(folder: Path, files: Sequence[str]) -> str | None:
+        if ours is not None and folder.resolve() == ours:
+            return "this run's output folder: not read"
+        if REPORT in files:
+            return f"an earlier inference run's output folder (it holds {REPORT}): not read"
+        return None
+
+    return why
 
 
 class CaseDataset(Dataset):
@@ -255,12 +277,7 @@ def load_case(path: str | Path, source: str, files: SeriesSource | None = None) 
         for note in ct.notes:
             logger.info("%s: %s", display_name(str(path)), note)
     else:
-        image = nib.load(str(path))
-        array, affine = np.asarray(image.dataobj), image.affine
-        if array.ndim == 4 and array.shape[-1] == 1:
-            array = array[..., 0]
-        if array.ndim != 3:
-            raise InferenceInputError(f"{path}: image of shape {array.shape}; a 3D CT volume is needed.")
+        array, affine = _read_nifti(path)
     meta = {"filename_or_obj": str(path), "source": source, "original_affine": torch.as_tensor(affine)}
     meta[MetaKeys.ORIGINAL_CHANNEL_DIM] = 0  # the channel is first
     if slices is not None:
@@ -307,26 +324,125 @@ def slice_map_of(meta: Mapping) -> SliceMap | None:
 
 
 class LoadCased(MapTransform):
-    """Replace the path under ``keys`` by the case's CT (see :func:`load_case`); ``source`` says DICOM or NIfTI."""
+    """Replace the path under ``keys`` by the case's CT (see :func:`load_case`); ``source`` says DICOM or NIfTI. A
+    NIfTI file that holds no CT in Hounsfield units is refused (:func:`check_hounsfield`)."""
 
     def __call__(self, data: Mapping[Hashable, Any]) -> dict:
         d = dict(data)
         for key in self.key_iterator(d):
-            source = d.get("source", "dicom" if Path(d[key]).is_dir() else "nifti")
-            d[key] = load_case(d[key], source, d.get("slice_paths"))
+            path = d[key]
+            source = d.get("source", "dicom" if Path(path).is_dir() else "nifti")
+            d[key] = load_case(path, source, d.get("slice_paths"))
+            if source == "nifti":
+                check_hounsfield(d[key], path)
         return d
+
+
+def _read_nifti(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    """A NIfTI CT's 3D voxels and affine; :class:`InferenceInputError` naming the file for one that cannot be read,
+    is not 3D, or does not hold Hounsfield units (:data:`MIN_HU_SPAN`)."""
+    try:
+        image = nib.load(str(path))
+        array, affine = np.asarray(image.dataobj), image.affine
+    except Exception as err:  # a cut or damaged file: nibabel's, gzip's and zlib's errors
+        raise InferenceInputError(
+            f"{path}: its voxels cannot be read ({type(err).__name__}: {err}): the file is cut short or damaged; "
+            "copy or write it again."
+        ) from err
+    if array.ndim == 4 and array.shape[-1] == 1:
+        array = array[..., 0]
+    if array.ndim != 3:
+        raise InferenceInputError(f"{path}: image of shape {array.shape}; a 3D CT volume is needed.")
+    return array, affine
+
+
+def check_hounsfield(image: torch.Tensor, path: str | Path) -> None:
+    """:class:`InferenceInputError` naming ``path`` when ``image`` cannot be a CT in Hounsfield units: its values span
+    less than :data:`MIN_HU_SPAN` (a label map, a mask, a normalised image -- an earlier run's ``_seg.nii.gz`` among
+    the inputs), or are not numbers. A DICOM CT is in HU by its rescale; a NIfTI file says nothing of its unit."""
+    low, high = (float(v) for v in torch.aminmax(image.as_tensor() if isinstance(image, MetaTensor) else image))
+    if not high - low >= MIN_HU_SPAN:  # NaN fails too
+        raise InferenceInputError(
+            f"{path}: its values span {low:g} to {high:g}, not a CT in Hounsfield units (air is about -1000 HU, soft "
+            "tissue 0 to 100): a label map, a mask or a normalised image? Give the CT itself, in HU."
+        )
 
 
 def _is_nifti(path: Path) -> bool:
     return path.name.lower().endswith(NIFTI_SUFFIXES)
 
 
+def _checked(case: dict, index: DicomIndex) -> dict:
+    """``case`` as it can run, checked from its headers (:func:`_check_input`). A DICOM study whose chosen series
+    fails its check (a missing slice, a damaged file among its slices) runs on its next usable series in the rules'
+    order (:meth:`~scripts.dicom.discovery.DicomIndex.fallbacks`), which says so in its notes and ``series``; when
+    every usable series fails, the error gives each one's reason."""
+    if case["source"] != "dicom":
+        _check_input(case)
+        return case
+    failures: list[tuple[dict, str]] = []
+    for candidate in [case, *index.fallbacks(case)]:
+        try:
+            _check_input(candidate)
+        except (DicomCaseError, InferenceInputError) as err:
+            failures.append((candidate, str(err)))
+            continue
+        return _noted(candidate, failures)
+    if len(failures) == 1:
+        raise DicomCaseError(failures[0][1])
+    raise DicomCaseError(
+        f"none of the study's {len(failures)} usable CT series passes its check: "
+        + "; ".join(f"series {c['series'].get('number') or c['series_uid']}: {why}" for c, why in failures)
+    )
+
+
+def _noted(case: dict, failures: Sequence[tuple[dict, str]]) -> dict:
+    """``case`` on the series that passed its check after the ``failures`` (the series tried before, and why they
+    failed): the notes, ``series["why"]`` and ``alternatives`` say what happened."""
+    if not failures:
+        return case
+    used = f"series {case['series'].get('number') or case['series_uid']}"
+    tried, notes, failed = set(), [], []
+    for candidate, why in failures:
+        info = candidate["series"]
+        tried.add(info["series_uid"])
+        notes.append(f"series {info.get('number') or info['series_uid']} failed its check, so {used} is used: {why}")
+        kept = {k: v for k, v in info.items() if k not in ("why", "note")}
+        failed.append({**kept, "reason": f"failed its check: {why}"})
+    others = [a for a in case["alternatives"] if a["series_uid"] not in tried | {case["series_uid"]}]
+    why = f"the series before it failed the check from the headers; the next usable series by {PREFERENCE}"
+    return {
+        **case,
+        "series": {**case["series"], "why": why},
+        "alternatives": failed + others,
+        "notes": notes + case["notes"],
+    }
+
+
 def _check_input(case: dict) -> None:
     path, source = Path(case["image"]), case["source"]
     if source == "dicom":  # uneven spacing and gantry tilt are resampled when the case is read
-        scan_ct_series(case.get("slice_paths") or path, resample=True)
+        if case.get("damaged"):
+            raise DicomCaseError(
+                f"{case['damaged'][0]}: a damaged DICOM file among the slices of CT series {case['series_uid']} "
+                "(it cannot be read, so a slice may be missing); download the series again"
+            )
+        try:
+            scan_ct_series(case.get("slice_paths") or path, resample=True)
+        except DicomCaseError as err:
+            if not case.get("damaged_nearby"):
+                raise
+            nearby = ", ".join(display_name(f) for f in case["damaged_nearby"][:3])
+            raise DicomCaseError(f"{err}; the folder also holds damaged DICOM files, one of which may be the slice "
+                                 f"missing: {nearby}") from err  # fmt: skip
     elif source == "nifti":
-        shape = nib.load(str(path)).shape
+        try:
+            shape = nib.load(str(path)).shape
+        except Exception as err:  # not NIfTI at all, or a header cut short
+            raise InferenceInputError(
+                f"{path}: not a NIfTI file nibabel can read ({type(err).__name__}: {err}); write it again, or move it "
+                "out of the input folder."
+            ) from err
         if not (len(shape) == 3 or (len(shape) == 4 and shape[-1] == 1)):
             raise InferenceInputError(f"{path}: image of shape {tuple(shape)}; a 3D CT volume is needed.")
         if min(shape[:3]) < 2:

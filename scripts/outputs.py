@@ -112,6 +112,11 @@ class SaveCased(MapTransform):
         self.last_seconds: dict[str, float] = {}
         if self.models:  # which weights (and TTA, post-processing) made the segmentation, as DICOM records it
             self.algorithm[0].AlgorithmParameters = ",".join(f"{k}={v}" for k, v in self.models.items())
+        if enabled and write_sr and not write_report:  # the SR carries the report's numbers: say so once
+            logger.warning(
+                "write_report is off: no DICOM SR (it carries the report's measurements), no report.csv and no "
+                "plausibility check either, though write_sr is on"
+            )
 
     def __call__(self, data: Mapping[Hashable, Any]) -> dict:
         d = dict(data)

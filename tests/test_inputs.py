@@ -142,6 +142,140 @@ def test_an_uneven_series_with_an_instance_number_gap_fails_its_check_as_a_missi
         find_inputs(tmp_path)
 
 
+def as_other_series(folder: Path, dest: Path, number: int) -> str:
+    """The series in ``folder`` copied to ``dest`` as another series of the same study (new UIDs, SeriesNumber
+    ``number``); its SeriesInstanceUID."""
+    series = generate_uid()
+    dest.mkdir(parents=True)
+    for path in sorted(folder.glob("*.dcm")):
+        ds = pydicom.dcmread(path)
+        ds.SeriesInstanceUID, ds.SeriesNumber = series, number
+        ds.SOPInstanceUID = ds.file_meta.MediaStorageSOPInstanceUID = generate_uid()
+        ds.save_as(dest / path.name)
+    return series
+
+
+def middle_slice(folder: Path, at: float = 0.5) -> Path:
+    """The file of the slice ``at`` the series' length in ``folder`` (by position, not by name; 1: the last)."""
+    from scripts.dicom import scan_ct_series
+
+    headers, _ = scan_ct_series(folder)
+    return Path(headers[min(int(len(headers) * at), len(headers) - 1)][0])
+
+
+def cut(path: Path, size: int = 300) -> None:
+    """``path`` cut to its first ``size`` bytes, as an interrupted copy leaves it (a DICOM file keeps its marker)."""
+    path.write_bytes(path.read_bytes()[:size])
+
+
+def test_a_study_whose_chosen_series_fails_its_check_runs_on_its_next_usable_series_and_says_why(small_cases, tmp_path):
+    """Series 2 is the rules' choice (as thin, as many slices, the lower number) but misses a slice in its middle;
+    series 5 of the same study ends a slice early and is whole: the case runs on series 5, its notes and `series.why`
+    say why, and the report lists series 2 among the alternatives with its failure. With series 5 broken too, the
+    case fails with both reasons."""
+    _, truths = small_cases
+    study = tmp_path / "in" / "P"
+    first = as_other_series(Path(truths[0]["image_dir"]), study / "s2", 2)
+    second = as_other_series(Path(truths[0]["image_dir"]), study / "s5", 5)
+    middle_slice(study / "s2").unlink()
+    middle_slice(study / "s5", at=1.0).unlink()
+    (case,) = find_inputs(tmp_path / "in", report_dir=tmp_path / "out")
+    assert case["series_uid"] == second and len(case["slice_paths"]) == SMALL_SHAPE[2] - 1
+    assert case["notes"][0].startswith("series 2 failed its check, so series 5 is used:")
+    assert "missing slice" in case["notes"][0] and "failed the check from the headers" in case["series"]["why"]
+    report = json.loads((tmp_path / "out" / "inference_report.json").read_text())
+    (alternative,) = [a for a in report["cases"][0]["alternatives"] if a["series_uid"] == first]
+    assert alternative["reason"].startswith("failed its check:") and "missing slice" in alternative["reason"]
+    assert second not in {a["series_uid"] for a in report["cases"][0]["alternatives"]}
+
+    middle_slice(study / "s5").unlink()
+    with pytest.raises(InferenceInputError) as err:
+        find_inputs(tmp_path / "in", report_dir=tmp_path / "out")
+    assert "none of the study's 2 usable CT series passes its check: series 2:" in str(err.value)
+    assert "; series 5:" in str(err.value)
+
+
+def test_a_damaged_file_among_a_series_slices_is_named_not_taken_for_a_missing_slice(small_cases, tmp_path):
+    """A slice cut to 300 bytes keeps its DICOM marker: the reason names that file and says to download the series
+    again. In a folder that other series share, a gap is reported with the damaged file as the likely slice."""
+    _, truths = small_cases
+    tcia_tree(small_cases, tmp_path / "tree", [("P1", "1")])
+    damaged = middle_slice(tmp_path / "tree" / "P1" / "1" / "image")
+    cut(damaged)
+    with pytest.raises(InferenceInputError) as err:
+        find_inputs(tmp_path / "tree")
+    assert f"{damaged}: a damaged DICOM file among the slices of CT series" in str(err.value)
+    assert "download the series again" in str(err.value)
+
+    flat = tmp_path / "flat"
+    flat.mkdir()
+    for truth in truths[:2]:
+        for path in Path(truth["image_dir"]).glob("*.dcm"):
+            shutil.copy(path, flat / f"{truth['patient_id']}-{path.name}")
+    damaged = flat / f"{truths[1]['patient_id']}-{middle_slice(Path(truths[1]['image_dir'])).name}"
+    cut(damaged)
+    cases = find_inputs(flat, report_dir=tmp_path / "out")
+    assert [c["case_id"] for c in cases] == [truths[0]["patient_id"]]
+    report = json.loads((tmp_path / "out" / "inference_report.json").read_text())
+    (failed,) = [c for c in report["cases"] if c["status"] == "failed"]
+    assert "missing slice" in failed["reason"] and failed["reason"].endswith(f"may be the slice missing: {damaged}")
+
+
+def nifti(path: Path, values: np.ndarray) -> Path:
+    nib.save(nib.Nifti1Image(values, np.diag([0.8, 0.8, 3.0, 1.0])), path)
+    return path
+
+
+def test_a_nifti_that_is_no_ct_in_hu_fails_alone_naming_the_file_and_the_others_load(tmp_path):
+    """Text named .nii fails its check; a .nii.gz cut short and a label map fail when read (CaseDataset records
+    the failure); the CT beside them loads."""
+    from scripts.inputs import CaseDataset
+
+    folder = tmp_path / "in"
+    folder.mkdir()
+    ct = np.random.default_rng(0).integers(-1000, 400, (16, 16, 8)).astype(np.int16)
+    nifti(folder / "ct.nii.gz", ct)
+    (folder / "junk.nii").write_text("not an image")
+    whole = nifti(tmp_path / "whole.nii.gz", np.random.default_rng(1).normal(0, 500, (40, 40, 40)).astype(np.float32))
+    (folder / "cut.nii.gz").write_bytes(whole.read_bytes()[: whole.stat().st_size // 2])
+    nifti(folder / "labels.nii.gz", (ct > 0).astype(np.uint8))
+    cases = find_inputs(folder, report_dir=tmp_path / "out")
+    assert sorted(c["case_id"] for c in cases) == ["ct", "cut", "labels"]
+    report = json.loads((tmp_path / "out" / "inference_report.json").read_text())
+    (junk,) = [c for c in report["cases"] if c["status"] == "failed"]
+    assert junk["reason"].startswith(f"{folder / 'junk.nii'}: not a NIfTI file nibabel can read")
+    loaded = CaseDataset(cases, load=LoadCased("image"))
+    reasons = {c["case_id"]: loaded[i].get("failure_reason") for i, c in enumerate(cases)}
+    assert reasons["ct"] is None
+    assert reasons["cut"].startswith(f"{folder / 'cut.nii.gz'}: its voxels cannot be read")
+    assert "cut short or damaged" in reasons["cut"]
+    assert reasons["labels"].startswith(f"{folder / 'labels.nii.gz'}: its values span 0 to 1, not a CT in Hounsfield")
+
+
+def test_an_earlier_runs_outputs_and_a_second_link_inside_the_input_folder_are_not_read_and_say_why(
+    small_cases, tmp_path
+):
+    """A first run's OUT inside DIR holds label maps that would be read as CTs; it is skipped (it holds
+    inference_report.json), as is this run's own OUT and a link to a folder already read, each with its reason."""
+    root = tcia_tree(small_cases, tmp_path / "in", [("P1", "1")])
+    earlier = root / "out"
+    (earlier / "P1").mkdir(parents=True)
+    nifti(earlier / "P1" / "P1_seg.nii.gz", np.zeros((16, 16, 8), np.uint8))
+    (earlier / "inference_report.json").write_text("{}")
+    (root / "again").symlink_to(root / "P1", target_is_directory=True)
+    (root / "out2").mkdir()
+    cases = find_inputs(root, report_dir=root / "out2")
+    assert [c["source"] for c in cases] == ["dicom"]
+    report = json.loads((root / "out2" / "inference_report.json").read_text())
+    reasons = {s["input"]: s["reason"] for s in report["skipped"]}
+    assert reasons[str(root / "out")].endswith("an earlier inference run's output folder (it holds "
+                                               "inference_report.json): not read.")  # fmt: skip
+    assert reasons[str(root / "out2")].endswith("this run's output folder: not read.")
+    assert reasons[str(root / "again")].endswith(
+        f"the same folder as {root / 'P1'}, reached again through a link: read once."
+    )
+
+
 @pytest.mark.parametrize("dtype", [np.int16, np.uint16, np.float64, np.float32])
 @pytest.mark.parametrize("threads", [1, 3])
 def test_a_volume_becomes_c_ordered_float32_with_numpys_values_in_any_layout(dtype, threads):

@@ -100,6 +100,17 @@ def test_without_an_original_affine_the_tensor_affine_is_used(tmp_path):
     np.testing.assert_allclose(nib.load(tmp_path / "c" / "c_seg.nii.gz").affine, NETWORK_GRID, atol=1e-5)
 
 
+def test_an_sr_asked_for_without_the_report_it_is_made_from_is_said_once_in_the_log(tmp_path, caplog):
+    """`--write_report false` with write_sr on (inference.yaml's default): no SR, no report.csv; the log says so when
+    the writer is built, not case by case; with both on, or without the SR, nothing is said."""
+    with caplog.at_level(logging.WARNING, logger="scripts.outputs"):
+        SaveCased("pred", tmp_path, LABELS, write_sr=True, write_report=False)
+        SaveCased("pred", tmp_path, LABELS, write_sr=True, write_report=True)
+        SaveCased("pred", tmp_path, LABELS, write_sr=False, write_report=False)
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "scripts.outputs"]
+    assert line.startswith("write_report is off: no DICOM SR") and "no report.csv" in line
+
+
 def test_structure_volumes_are_logged_in_ml(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="scripts.outputs"):
         SaveCased("pred", tmp_path, LABELS)({"case_id": "LUNG1-001", "pred": prediction(label_map())})

@@ -45,7 +45,7 @@ import os
 import re
 import time
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -113,6 +113,8 @@ KINDS = {
     **dict.fromkeys(ENHANCED_CT_STORAGE, "ct"),
 }
 ANNOTATIONS = ("seg", "rtstruct")
+#: ``scan``'s ``skip_folder``: (a folder, the names of its files) -> why it is not read, or None to read it
+SkipFolder = Callable[[Path, Sequence[str]], "str | None"]
 
 
 class DiscoveryError(ValueError):
@@ -228,16 +230,25 @@ def _floats(value) -> list[float]:
 
 # ------------------------------------------------------------------------------------------------ scanning a tree
 def scan(
-    root: str | Path, cache_file: str | Path | None = None, exclude: Iterable[str | Path] = (), progress: bool = True
+    root: str | Path,
+    cache_file: str | Path | None = None,
+    exclude: Iterable[str | Path] = (),
+    progress: bool = True,
+    skip_folder: SkipFolder | None = None,
 ) -> DicomIndex:
     """Every file under ``root`` (links followed, each real folder once; hidden files and folders and ``exclude``
     skipped) with its header summary (:func:`read_header`); ``cache_file`` keeps them between runs (see the module
-    docstring). :class:`DiscoveryError` when ``root`` does not exist."""
+    docstring). ``skip_folder(path, file names)`` says why a folder (and all under it) is not read, or None. The
+    index's ``folders_skipped`` gives each folder ``skip_folder`` left out (relative to ``root``) with the reason, its
+    ``links_again`` each folder reached again through a link with the folder read there. :class:`DiscoveryError`
+    when ``root`` does not exist."""
     root = Path(root)
     if not root.exists():
         raise DiscoveryError(f"{root}: no such folder.")
     clock = time.perf_counter()
-    listed = dict(_walk(root, {os.path.realpath(p) for p in exclude}))
+    folders_skipped: dict[str, str] = {}
+    links_again: dict[str, str] = {}
+    listed = dict(_walk(root, {os.path.realpath(p) for p in exclude}, skip_folder, folders_skipped, links_again))
     timings = {"list_s": time.perf_counter() - clock}
     clock = time.perf_counter()
     cached = _load_cache(cache_file, root)
@@ -262,6 +273,7 @@ def scan(
     clock = time.perf_counter()
     index = DicomIndex(root, headers)
     index.timings = {**timings, "group_s": time.perf_counter() - clock, "files": len(headers), "read": len(todo)}
+    index.folders_skipped, index.links_again = folders_skipped, links_again
     logger.info(
         "%d file(s) under %s: %d header(s) read, %d from the cache",
         len(headers),
@@ -272,19 +284,35 @@ def scan(
     return index
 
 
-def _walk(root: Path, exclude: set[str]) -> Iterable[tuple[str, list[int]]]:
-    """(path relative to ``root``, [size, mtime_ns, ctime_ns]) of every visible file, in sorted order."""
+def _walk(
+    root: Path,
+    exclude: set[str],
+    skip_folder: SkipFolder | None = None,
+    skipped: dict[str, str] | None = None,
+    again: dict[str, str] | None = None,
+) -> Iterable[tuple[str, list[int]]]:
+    """(path relative to ``root``, [size, mtime_ns, ctime_ns]) of every visible file, in sorted order; the folders
+    ``skip_folder`` leaves out go into ``skipped`` with the reason, those reached again through a link into ``again``
+    with the folder read there (see :func:`scan`)."""
     if root.is_file():
         stat = root.stat()
         yield root.name, [stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns]
         return
-    visited: set[str] = set()
+    visited: dict[str, str] = {}  # real path -> the folder first read there
+    skipped, again = ({} if skipped is None else skipped), ({} if again is None else again)
     for folder, dirs, files in os.walk(root, followlinks=True):
-        real = os.path.realpath(folder)
+        real, rel = os.path.realpath(folder), os.path.relpath(folder, root)
         if real in visited or real in exclude:
+            if real in visited:
+                again[rel] = visited[real]
             dirs[:] = []
             continue
-        visited.add(real)
+        why = skip_folder(Path(folder), files) if skip_folder is not None else None
+        if why:
+            skipped[rel] = why
+            dirs[:] = []
+            continue
+        visited[real] = rel
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
         for name in sorted(files):
             if name.startswith("."):
@@ -367,6 +395,8 @@ class DicomIndex:
         self.annotations: list[AnnotationFound] = []
         self.duplicates: list[tuple[str, str]] = []  # (file, the file holding the same SOPInstanceUID first)
         self.timings: dict[str, float] = {}  # seconds per step of the scan that made it (scan fills it)
+        self.folders_skipped: dict[str, str] = {}  # folder (relative to root) -> why it was not read (scan fills it)
+        self.links_again: dict[str, str] = {}  # folder reached again through a link -> the folder read (scan fills it)
         self._group()
 
     # -------------------------------------------------------------------- grouping
@@ -460,17 +490,18 @@ class DicomIndex:
     def _what(header: dict) -> str:
         return {"not_dicom": "not DICOM", "damaged": "damaged DICOM"}.get(header["kind"]) or header.get("what", "?")
 
-    def _beside(self, series: SeriesFound) -> tuple[list[str], list[str]]:
-        """Files beside the series' slices that belong to no series (named with what they are), and the damaged ones
-        among them when no other CT series shares those folders."""
-        others, damaged = [], []
+    def _beside(self, series: SeriesFound) -> tuple[list[str], list[str], list[str]]:
+        """Files beside the series' slices that belong to no series (named with what they are), the damaged ones among
+        them in folders no other CT series shares (one of the series' slices, cut), and the damaged ones in folders
+        it shares with other series (perhaps one of its slices)."""
+        others, damaged, shared = [], [], []
         for folder in series.folders:
             alone = self._series_in[folder] == {series.uid}
             for rel in self._strays[folder]:
                 others.append(f"{os.path.basename(rel)} ({self._what(self.headers[rel])})")
-                if self.headers[rel]["kind"] == "damaged" and alone:
-                    damaged.append(rel)
-        return others, damaged
+                if self.headers[rel]["kind"] == "damaged":
+                    (damaged if alone else shared).append(rel)
+        return others, damaged, shared
 
     # -------------------------------------------------------------------- training cases
     def training_cases(
@@ -523,7 +554,7 @@ class DicomIndex:
         }
         if len(s.folders) > 1:
             case["notes"].append(f"its {len(s.files)} slices lie in {len(s.folders)} folders")
-        others, damaged = self._beside(s)
+        others, damaged, _ = self._beside(s)
         if others:
             case["notes"].append(
                 f"skipped {len(others)} file(s) beside its slices that are not CT slices: {', '.join(others[:10])}"
@@ -627,17 +658,38 @@ class DicomIndex:
                 )
                 failed.append(record)
                 continue
-            s = self.series[chosen["series_uid"]]
-            record.update(
-                image=str(self.root / os.path.commonpath(s.folders)),
-                series_uid=s.uid,
-                series=chosen,
-                slice_paths=[str(self.root / f) for f in sorted(s.files)],
-                notes=list(s.notes) + ([chosen["note"]] if "note" in chosen else []),
-            )
+            record.update(self._on_series(chosen))
             cases.append(record)
         self._name_studies(cases + failed)
         return cases, failed
+
+    def _on_series(self, info: dict) -> dict:
+        """What an inference case says of its CT series (``info``: the series as the rules saw it): the series'
+        folder, its slices, its notes, and the damaged DICOM files beside its slices (``damaged``: in folders only it
+        has, so one of its slices; ``damaged_nearby``: in folders it shares with other series)."""
+        s = self.series[info["series_uid"]]
+        _, damaged, shared = self._beside(s)
+        fields = {
+            "image": str(self.root / os.path.commonpath(s.folders)),
+            "series_uid": s.uid,
+            "series": info,
+            "slice_paths": [str(self.root / f) for f in sorted(s.files)],
+            "notes": list(s.notes) + ([info["note"]] if "note" in info else []),
+        }
+        for key, files in (("damaged", damaged), ("damaged_nearby", shared)):
+            if files:
+                fields[key] = [str(self.root / f) for f in files]
+        return fields
+
+    def fallbacks(self, case: dict) -> list[dict]:
+        """``case`` (of :meth:`inference_cases`) on each other usable CT series of its study, in the order the rules
+        prefer them: what inference tries when the chosen series fails its check (a missing or damaged slice shows
+        only then). The records keep the case's identity and alternatives; the caller says why each was used."""
+        usable = (a for a in case.get("alternatives", ()) if a.get("choice") and a["series_uid"] in self.series)
+        return [
+            {**case, **self._on_series({k: v for k, v in a.items() if k != "reason"})}
+            for a in sorted(usable, key=lambda a: a["choice"])
+        ]
 
     def _other_series(self) -> dict[tuple[str, str], list[dict]]:
         """Per (patient, study): the series of objects that are not CT images (a scanner's secondary captures, a

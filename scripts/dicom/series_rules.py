@@ -187,7 +187,9 @@ def slice_geometry(
 
 def choose_series(described: Sequence[Mapping], rules: SeriesRules | Mapping | None = None) -> tuple[dict | None, list]:
     """The CT series the rules choose among ``described`` (:func:`describe_series`), or None, and every other CT
-    series with the reason it was not chosen. A chosen series without a preferred ImageType carries a ``note``."""
+    series with the reason it was not chosen. A chosen series without a preferred ImageType carries a ``note``. Each
+    usable series carries ``choice``, its place in the rules' order (1: the chosen one), which inference follows when
+    the chosen series fails its check."""
     rules = SeriesRules.of(rules)
     cts = [dict(s) for s in described if s.get("modality", "CT") == "CT"]
     for info in cts:
@@ -203,6 +205,8 @@ def choose_series(described: Sequence[Mapping], rules: SeriesRules | Mapping | N
             s["series_uid"],
         ),
     )
+    for rank, info in enumerate(usable, 1):  # the rules' order among the usable series (1: the chosen one)
+        info["choice"] = rank
     chosen = usable[0] if usable else None
     if chosen is not None:
         del chosen["reason"]
