@@ -130,3 +130,17 @@ def _load_into(obj: Any, state: Any) -> None:
         unwrap(obj).load_state_dict(state)
     else:
         obj.load_state_dict(state)
+
+
+def final_line(state: Any, model_path: str | Path, output_dir: str | Path) -> str:
+    """What training says last: the best validation Dice, its epoch and the weights file it wrote; or, when no
+    validation ran (``val_interval`` past ``max_epochs``, no validation cases), that no weights file was written and
+    where the run's last state is."""
+    epoch = getattr(state, "best_metric_epoch", -1)
+    if epoch is None or epoch < 1:
+        return (
+            f"no validation ran, so no best weights were written to {model_path}: check val_interval against "
+            f"max_epochs and that the run has validation cases; the last epoch's state is in "
+            f"{Path(output_dir) / 'checkpoints' / 'latest.pt'}"
+        )
+    return f"best validation Dice {state.best_metric:.4f} at epoch {epoch}; weights: {model_path}"

@@ -89,7 +89,17 @@ def run(
     **overrides: Any,
 ) -> dict:
     """Train the folds (:func:`train`), then evaluate them (:func:`evaluate`). Under torchrun, rank 0 evaluates once
-    every fold has finished; in a SLURM array task, only this task's fold is trained (run ``evaluate`` after)."""
+    every fold has finished; in a SLURM array task, only this task's fold is trained (run ``evaluate`` after).
+
+    Args:
+        config_file: the configs, as ``monai.bundle run`` takes them (``"['configs/train.yaml']"``).
+        output_dir: where the folds and the summary go (default ``<output_dir>/crossval``).
+        folds: the folds to run, e.g. ``0`` or ``"[0,1]"`` (default: every fold prepare made).
+        launcher: the command that starts each fold's training instead of ``python``, e.g. ``"torchrun
+            --standalone --nproc_per_node=8"``.
+        compare_test: also compare fold 0, the ensemble and the ensemble with TTA on the test split.
+        overrides: any ``--id value``, given to every fold (``--max_epochs 100``).
+    """
     states = train(config_file, output_dir, folds, launcher, **overrides)
     if _array_task() is not None:
         logger.info("SLURM array task: fold(s) %s done; run `evaluate` once every task has ended", states["trained"])

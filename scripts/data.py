@@ -48,6 +48,24 @@ STEP_GIB_PER_PATCH = 4.5
 DEVICE_MARGIN = 0.1  # of the card, never planned for: the allocator's fragmentation, validation's windows
 
 
+def fold_cases(datalist: Sequence[dict], fold: int | str | None, held_out: bool) -> list[dict]:
+    """The training cases for cross-validation's ``fold``: those outside it, to train on, or (``held_out``) those in
+    it, to validate on; ``fold`` None: every case (the prepared validation split validates). A fold no case is in is a
+    :class:`~scripts.config.ConfigError` naming the folds prepare made, before any training: a run on it would train on
+    every case, validate on none and write no weights."""
+    if fold is None:
+        return list(datalist)
+    try:
+        chosen = int(fold)
+    except (TypeError, ValueError):
+        raise ConfigError(f"fold={fold!r}: give a fold number, e.g. --fold 0, or leave it out (null).") from None
+    folds = sorted({int(d["fold"]) for d in datalist if d.get("fold") is not None})
+    if chosen not in folds:
+        made = f"folds {folds[0]} to {folds[-1]}" if folds else "no folds (prepare with num_folds > 1)"
+        raise ConfigError(f"fold={fold}: no training case is in fold {chosen}; the prepared data has {made}.")
+    return [d for d in datalist if (d.get("fold") == chosen) == held_out]
+
+
 def check_cache(cache: str, allow_auto: bool = False) -> str:
     cache = str(cache).lower()
     modes = ("auto", *CACHE_MODES) if allow_auto else CACHE_MODES

@@ -83,14 +83,16 @@ def prepare(
     compress_images: bool = False,
     label_source: str = "auto",
 ) -> dict:
-    """Convert every case under ``dataset_dir/collection`` and write the datalist and the report.
+    """Convert every case under ``dataset_dir`` and write the datalist and the report.
 
     Args:
-        dataset_dir: the folder holding ``<collection>/<PatientID>/<SeriesNumber>/{image,seg}/``.
+        dataset_dir: the DICOM in any folder layout (a TCIA download as it is, a PACS export); cases are found from
+            the files' headers.
         output_dir: where ``images/``, ``labels/``, ``datalist.json`` and ``prepare_report.json`` go.
         labels: structures to prepare, SEG segment names or patterns; label ``i + 1`` is ``labels[i]``.
-        collection: the collection's folder name under ``dataset_dir``.
-        val_fraction, test_fraction: shares of the patients held out for validation and test.
+        collection: where ``dataset_dir`` holds a folder of this name, only that folder is searched.
+        val_fraction: share of the patients held out for validation.
+        test_fraction: share of the patients held out for test.
         num_folds: folds of the training patients (``fold`` in the datalist).
         seed: seed of the patient split (a hash order; change it only to draw another split).
         num_workers: cases converted in parallel (default: one per CPU).
@@ -104,6 +106,7 @@ def prepare(
     """
     labels = check_labels(labels, collection=None)
     compress_images = as_bool(compress_images, "compress_images")
+    progress = as_bool(progress, "progress")  # `--progress false` comes from the command line as text
     if label_source not in LABEL_SOURCES:
         raise ValueError(f"label_source={label_source!r}: choose one of {list(LABEL_SOURCES)}.")
     if not 0 <= val_fraction < 1 or not 0 <= test_fraction < 1 or val_fraction + test_fraction >= 1:

@@ -22,6 +22,7 @@ import highdicom as hd
 import numpy as np
 from pydicom.dataset import Dataset, FileMetaDataset
 from pydicom.uid import CTImageStorage, ExplicitVRLittleEndian, RTStructureSetStorage, generate_uid
+from scripts.config import ConfigError
 from scripts.dicom import segment_description
 from scripts.labels import COLLECTION
 from tqdm import tqdm
@@ -31,6 +32,8 @@ logger = logging.getLogger(__name__)
 SEGMENT_NAMES: tuple[str, ...] = ("GTV-1", "Lung-Left", "Lung-Right", "Heart", "Esophagus", "Spinal-Cord")
 HU = {"air": -1000.0, "body": 40.0, "lung": -850.0, "heart": 50.0, "esophagus": 20.0, "bone": 700.0, "tumour": 45.0}
 INTERCEPT = -1024.0
+#: where :func:`generate` keeps each case's analytic truth (``<PatientID>.json``); it marks a folder as its own
+TRUTH_DIR = "synthetic_truth"
 
 
 @dataclass
@@ -147,7 +150,7 @@ def write_case(
     if rtstruct:
         truth["rtstruct_file"] = _write_rtstruct(case_dir / "rtstruct" / "1-1.dcm", slices, grid, [] if empty_gtv
                                                  else ellipsoids, gtv_name, uid, seg_series_number + 1)  # fmt: skip
-    truth_dir = Path(output_dir) / "synthetic_truth"
+    truth_dir = Path(output_dir) / TRUTH_DIR
     truth_dir.mkdir(parents=True, exist_ok=True)
     (truth_dir / f"{patient_id}.json").write_text(json.dumps(truth, indent=2))
     return truth
@@ -308,15 +311,21 @@ def generate(
 ) -> list[dict]:
     """Write ``num_cases`` cases LUNG1-001, ...; case i uses ``seed + i``; cases already written are kept.
 
+    Only into a folder of its own: one that does not exist, is empty, or holds this function's ``synthetic_truth/``.
+    A folder holding anything else is refused (:class:`~scripts.config.ConfigError`): ``configs/demo.yaml`` writes
+    into ``--dataset_dir``, and a user's NSCLC-Radiomics copy has the demo's patient IDs (LUNG1-001, ...), so its
+    cases would be overwritten or filled up with synthetic slices.
+
     ``tumour_hu`` defaults to a realistic soft-tissue value (the tumour is as bright as the body wall and stands out
     only against the lung); the demo raises it so that a tiny network learns the tumour in minutes on a CPU.
     ``pixel_spacing`` (mm, rows and columns): the demo writes its cases at its training grid's 2 mm, so that no
     interpolation blurs the tumour's edge.
     """
+    _own_folder(Path(output_dir))
     truths = []
     for i in tqdm(range(int(num_cases)), desc="synthetic cases", unit="case"):
         pid = f"LUNG1-{i + 1:03d}"
-        truth_file = Path(output_dir) / "synthetic_truth" / f"{pid}.json"
+        truth_file = Path(output_dir) / TRUTH_DIR / f"{pid}.json"
         if truth_file.is_file():
             truths.append(json.loads(truth_file.read_text()))
         else:
@@ -324,6 +333,20 @@ def generate(
             truths.append(write_case(output_dir, pid, int(seed) + i, shape, spacing, collection=collection,
                                      tumour_hu=tumour_hu))  # fmt: skip
     return truths
+
+
+def _own_folder(folder: Path) -> None:
+    """:class:`~scripts.config.ConfigError` when ``folder`` holds files :func:`generate` did not write."""
+    if not folder.is_dir() or (folder / TRUTH_DIR).is_dir():
+        return
+    other = next((p for p in sorted(folder.iterdir()) if not p.name.startswith(".")), None)
+    if other is not None:
+        raise ConfigError(
+            f"dataset_dir={folder}: the synthetic demo writes its cases only into an empty folder or one it wrote, and "
+            f"this one holds other data ({other.name}): a real dataset would get synthetic slices among its own. For "
+            "the demo leave out --dataset_dir (runs/demo/data) or give a new folder; for your data leave out "
+            "configs/demo.yaml."
+        )
 
 
 def write_chest_case(

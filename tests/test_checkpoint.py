@@ -247,3 +247,20 @@ def test_every_rank_loads_on_resume(tmp_path, monkeypatch):
     pipeline = Pipeline(init_seed=0, max_epochs=2, path=tmp_path / "latest.pt", resume=True)
     pipeline.run()
     assert pipeline.steps == len(BATCHES), "a non-zero rank resumed from epoch 1 too"
+
+
+def test_the_last_line_names_the_weights_only_when_validation_wrote_them(tmp_path):
+    """A run that validated names its best Dice, epoch and weights file; one that never validated (--fold with no
+    case, val_interval past max_epochs) says no weights file was written and where its last state is."""
+    from types import SimpleNamespace
+
+    from scripts.checkpoint import final_line
+
+    validated = SimpleNamespace(best_metric=0.91664, best_metric_epoch=8)
+    assert final_line(validated, tmp_path / "model.pt", tmp_path) == (
+        f"best validation Dice 0.9166 at epoch 8; weights: {tmp_path / 'model.pt'}"
+    )
+    never = SimpleNamespace(best_metric=-1, best_metric_epoch=-1)
+    line = final_line(never, tmp_path / "model.pt", tmp_path)
+    assert line.startswith(f"no validation ran, so no best weights were written to {tmp_path / 'model.pt'}")
+    assert line.endswith(str(tmp_path / "checkpoints" / "latest.pt"))

@@ -139,6 +139,31 @@ def test_drawing_patches_leaves_the_cached_cases_untouched(train_config):
 DATA = [{"x": i} for i in range(4)]
 
 
+def test_a_fold_trains_on_the_other_folds_validates_on_its_own_and_a_fold_with_no_case_fails_at_start(train_config):
+    """train.yaml's `fold`: fold k's cases validate and the other training cases train, every case once; a fold no
+    case is in (the demo prepares 0 to 4; --fold 7) is a ConfigError naming the folds, not a run that trains on
+    everything, validates nothing and writes no weights."""
+    from scripts.config import ConfigError
+
+    cases = train_config.get_parsed_content("train#datalist")
+    folds = sorted({d["fold"] for d in cases})
+    train_config["fold"] = folds[0]
+    train = train_config.get_parsed_content("train#data", lazy=False)
+    held = train_config.get_parsed_content("validate#data", lazy=False)
+    assert held and all(d["fold"] == folds[0] for d in held) and all(d["fold"] != folds[0] for d in train)
+    assert sorted(d["case_id"] for d in train + held) == sorted(d["case_id"] for d in cases)
+    train_config["fold"] = 7
+    with pytest.raises(RuntimeError) as err:  # MONAI's config wraps what an expression raises
+        train_config.get_parsed_content("train#data", lazy=False)
+    assert isinstance(err.value.__cause__, ConfigError)
+    assert (
+        str(err.value.__cause__)
+        == f"fold=7: no training case is in fold 7; the prepared data has folds 0 to {folds[-1]}."
+    )
+    train_config["fold"] = None
+    assert len(train_config.get_parsed_content("train#data", lazy=False)) == len(cases)
+
+
 @pytest.mark.parametrize(("cache", "kind"), [("none", Dataset), ("memory", CacheDataset), ("disk", PersistentDataset)])
 def test_cache_modes_build_their_dataset(cache, kind, tmp_path):
     dataset = make_dataset(cache, DATA, transform=None, cache_dir=tmp_path / "cache")

@@ -172,11 +172,14 @@ def test_second_run_skips_up_to_date_cases_and_rewrites_nothing(prepared, messy_
     assert not list(out.rglob(".*tmp*")), "no temporary files are left behind"
 
 
-def test_compressed_images_hold_the_same_voxels_and_replace_the_plain_ones(small_cases, tmp_path):
+def test_compressed_images_hold_the_same_voxels_and_replace_the_plain_ones(small_cases, tmp_path, capsys):
+    """Switches given as the command line gives them (text): `--compress_images true`, `--progress false`."""
     root, _ = small_cases
-    prepare(root, tmp_path, num_workers=1, progress=False)
+    prepare(root, tmp_path, num_workers=1, progress=True)
+    assert "prepare: 100%" in capsys.readouterr().err, "the progress bar the next run turns off"
     plain = {p.name[: -len(".nii")]: np.asarray(nib.load(p).dataobj) for p in (tmp_path / "images").glob("*.nii")}
-    report = prepare(root, tmp_path, num_workers=1, progress=False, compress_images="true")
+    report = prepare(root, tmp_path, num_workers=1, progress="false", compress_images="true")
+    assert "prepare:" not in capsys.readouterr().err, "--progress false: no bar"
     assert report["num_prepared"] == len(plain) > 0, "a change of format re-prepares every case"
     assert not list((tmp_path / "images").glob("*.nii")), "the uncompressed files are removed"
     datalist = json.loads((tmp_path / "datalist.json").read_text())

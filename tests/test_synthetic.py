@@ -129,3 +129,23 @@ def test_synthetic_ct_and_seg_are_valid_dicom_for_dciodvfy(tmp_path):
         result = subprocess.run(["dciodvfy", str(path)], capture_output=True, text=True, timeout=60)
         errors = [line for line in (result.stdout + result.stderr).splitlines() if line.startswith("Error")]
         assert errors == [], f"{path.name}: {errors}"
+
+
+def test_the_demo_writes_only_into_a_folder_of_its_own_and_never_into_a_users_dataset(tmp_path):
+    """configs/demo.yaml writes into --dataset_dir: a user's NSCLC-Radiomics copy (the demo's patient IDs) is refused,
+    naming the setting and leaving every file as it was; a new folder is written, and a second run keeps its cases."""
+    from scripts.config import ConfigError
+    from scripts.synthetic import generate
+
+    users = tmp_path / "tcia"
+    series = users / "NSCLC-Radiomics" / "LUNG1-001" / "1" / "image"
+    series.mkdir(parents=True)
+    (series / "1-001.dcm").write_bytes(b"\0" * 128 + b"DICM" + b"a user's slice")
+    before = {p: p.read_bytes() for p in users.rglob("*") if p.is_file()}
+    with pytest.raises(ConfigError, match=rf"dataset_dir={users}: the synthetic demo .* holds other data \(NSCLC"):
+        generate(users, num_cases=1, shape=(32, 32, 8))
+    assert {p: p.read_bytes() for p in users.rglob("*") if p.is_file()} == before, "the user's folder is untouched"
+
+    (first,) = generate(tmp_path / "demo", num_cases=1, shape=(32, 32, 8))
+    (again,) = generate(tmp_path / "demo", num_cases=1, shape=(32, 32, 8), seed=5)
+    assert again == first, "a folder it wrote is its own: the case written is kept"
