@@ -2,7 +2,8 @@
 
 :func:`command` gives ``fire`` the function itself (its parameters and docstring are the CLI's ``--help``), with the
 little a terminal needs around it: log lines on stdout, a progress bar that does not tear them, errors a user can act
-on printed without a traceback, and an exit status.
+on printed without a traceback, and an exit status. :func:`summarise_errors` does the same for ``monai.bundle run``,
+whose errors reach the terminal wrapped in MONAI's own: after the traceback, the bundle's message comes last.
 """
 
 from __future__ import annotations
@@ -11,12 +12,15 @@ import functools
 import logging
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 #: the exit status of a command stopped by Ctrl-C (128 + SIGINT, as shells report it)
 INTERRUPTED = 130
+#: the bundle's Python: an error raised here names the setting or the file and what to do
+PACKAGE = Path(__file__).resolve().parent
 
 
 def command(
@@ -67,3 +71,47 @@ def fire_command(argv: list[str]) -> list[str]:
     """``argv`` for ``fire.Fire(..., command=...)``: a lone ``--help`` or ``-h`` as fire's own help flag
     (``-- --help``), which a function taking ``**overrides`` would otherwise receive as an override and run."""
     return ["--", "--help"] if argv in (["--help"], ["-h"]) else argv
+
+
+def summarise_errors() -> None:
+    """Make the last line of a failed ``monai.bundle run`` the bundle's own message.
+
+    A setting or an input that cannot work raises one of the bundle's errors, whose message names the id or the file
+    and what to do; MONAI's config wraps it ("RuntimeError: Failed to evaluate ConfigExpression", with the expression),
+    so a 60-100 line traceback ended with MONAI's words and the useful line sat in its middle. The configs call this
+    once, when the bundle's Python is first imported: Python's traceback is still printed, and then, when the error
+    that ended the run wraps one of the bundle's, that one's class and message. Idempotent."""
+    previous = sys.excepthook
+    if getattr(previous, "bundle_summary", False):
+        return
+
+    def hook(kind: type[BaseException], error: BaseException, traceback: Any) -> None:
+        previous(kind, error, traceback)
+        ours = bundle_error(error)
+        if ours is not None and ours is not error:
+            print(f"\n{type(ours).__name__}: {ours}", file=sys.stderr)
+
+    hook.bundle_summary = True  # type: ignore[attr-defined]
+    sys.excepthook = hook
+
+
+def bundle_error(error: BaseException | None) -> BaseException | None:
+    """The outermost error in ``error``'s chain (causes and contexts) that the bundle's own Python raised -- one of
+    its classes, or any class raised by its code (a ``FileNotFoundError`` naming the weights) -- or None."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if type(error).__module__.split(".")[0] == PACKAGE.name or _raised_in(error, PACKAGE):
+            return error
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def _raised_in(error: BaseException, folder: Path) -> bool:
+    """Whether the innermost frame of ``error``'s traceback is code under ``folder``."""
+    traceback = error.__traceback__
+    if traceback is None:
+        return False
+    while traceback.tb_next is not None:
+        traceback = traceback.tb_next
+    return Path(traceback.tb_frame.f_code.co_filename).resolve().is_relative_to(folder)

@@ -120,3 +120,46 @@ def test_bad_argument_exits_1_with_one_line_and_no_traceback(root, tmp_path):
     assert "tcia: limit must be a positive integer" in result.stderr
     assert "Traceback" not in result.stderr + result.stdout
     assert list(tmp_path.iterdir()) == [], "nothing was written"
+
+
+def test_the_bundle_error_inside_monais_wrapper_is_found_whatever_its_class():
+    """monai.bundle run wraps what a config expression raises in a RuntimeError: the bundle's own error is found in
+    the chain, one of its classes (ConfigError) or a built-in class raised by its code (prepare's ValueError); an
+    error no bundle code raised is not."""
+    from scripts.cli import bundle_error
+    from scripts.config import ConfigError
+    from scripts.data import fold_cases
+
+    def wrapped(call):
+        try:
+            try:
+                call()
+            except Exception as err:
+                raise RuntimeError("Failed to evaluate ConfigExpression: ...") from err
+        except RuntimeError as err:
+            return err
+
+    error = wrapped(lambda: fold_cases([{"fold": 0}], 7, held_out=True))
+    assert isinstance(bundle_error(error), ConfigError) and "fold=7" in str(bundle_error(error))
+    error = wrapped(lambda: prepare("nowhere", "out", label_source="mask"))
+    assert type(bundle_error(error)) is ValueError and "label_source='mask'" in str(bundle_error(error))
+    assert bundle_error(wrapped(lambda: int("x"))) is None and bundle_error(None) is None
+
+
+def test_a_failed_bundle_run_ends_with_the_bundles_message_after_the_traceback(root):
+    """The excepthook the configs install: Python's traceback as before, then the bundle's message as the last line;
+    an error of the bundle that is not wrapped (its own message already ends the traceback) is not repeated."""
+    code = (
+        "import scripts.cli as cli, scripts.config as config\n"
+        "cli.summarise_errors(); cli.summarise_errors()\n"
+        "try:\n    config.check_roi_size([64, 64, 40])\n"
+        "except Exception as err:\n    raise RuntimeError('Failed to evaluate ConfigExpression') from err\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 1 and "Traceback (most recent call last):" in result.stderr
+    assert lines[-1].startswith("ConfigError: roi_size=[64, 64, 40]: each side must be a multiple of 32")
+    assert lines[-3] == "RuntimeError: Failed to evaluate ConfigExpression", "MONAI's line, then the bundle's"
+    bare = "import scripts.cli as cli, scripts.config as config\ncli.summarise_errors()\nconfig.check_roi_size([40])\n"
+    result = subprocess.run([sys.executable, "-c", bare], cwd=root, capture_output=True, text=True, timeout=120)
+    assert result.stderr.count("ConfigError: roi_size=[40]") == 1
