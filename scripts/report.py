@@ -492,14 +492,22 @@ def write_report(report: dict[str, dict], case_id: str, output_dir: str | Path, 
 
 
 def report_rows(case_id: str, report: dict[str, dict]) -> list[dict]:
-    """One flat row per structure for ``report.csv`` (columns :data:`CSV_COLUMNS`; empty cells for None)."""
+    """One flat row per structure for ``report.csv`` (columns :data:`CSV_COLUMNS`; empty cells for None; numbers to
+    6 significant digits as a spreadsheet shows them: 13.56 ml, not 13.560000000000006; the JSON keeps them whole)."""
     rows = []
     for name, m in report.items():
         centroid = m["centroid_lps"] or [None, None, None]
         row = {"case": str(case_id), "structure": name, **{k: m[k] for k in CSV_COLUMNS if k in m}}
         row.update(centroid_x_lps=centroid[0], centroid_y_lps=centroid[1], centroid_z_lps=centroid[2])
-        rows.append({k: "" if row.get(k) is None else row[k] for k in CSV_COLUMNS})
+        rows.append({k: _cell(row.get(k)) for k in CSV_COLUMNS})
     return rows
+
+
+def _cell(value: object) -> object:
+    """A ``report.csv`` cell: "" for None, a float to 6 significant digits, anything else as it is."""
+    if value is None:
+        return ""
+    return f"{value:.6g}" if isinstance(value, float) else value
 
 
 def write_report_csv(path: str | Path, rows: list[dict]) -> Path:

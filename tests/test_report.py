@@ -163,7 +163,10 @@ def test_report_json_and_csv(tmp_path):
         ("LUNG1-002", "GTV-1"), ("LUNG1-002", "Heart"), ("LUNG1-001", "GTV-1"), ("LUNG1-001", "Heart")
     ]  # fmt: skip
     assert rows[1]["present"] == "False" and rows[1]["centroid_x_lps"] == ""
-    assert float(rows[0]["long_axis_mm"]) == pytest.approx(report["GTV-1"]["long_axis_mm"])
+    assert float(rows[0]["long_axis_mm"]) == pytest.approx(report["GTV-1"]["long_axis_mm"], rel=1e-5)
+    assert float(rows[0]["volume_ml"]) == pytest.approx(report["GTV-1"]["volume_ml"], rel=1e-5)
+    assert all(len(r[k].lstrip("-").replace(".", "")) <= 6 for r in rows for k in ("volume_ml", "centroid_x_lps")
+               if r[k]), "6 significant digits at most, as a spreadsheet shows them"  # fmt: skip
 
 
 @pytest.mark.parametrize("orientation", ["ct", "flipped", "permuted"])
