@@ -19,6 +19,11 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 #: the exit status of a command stopped by Ctrl-C (128 + SIGINT, as shells report it)
 INTERRUPTED = 130
+#: what a user is told after Ctrl-C
+AFTER_CTRL_C = (
+    "Every file is written whole or not at all (atomic writes): run the same command again to go on (training: "
+    "with --resume true, from its last finished epoch)."
+)
 #: the bundle's Python: an error raised here names the setting or the file and what to do
 PACKAGE = Path(__file__).resolve().parent
 
@@ -42,11 +47,7 @@ def command(
         except errors as err:
             raise SystemExit(f"{name or function.__name__}: {err}") from None
         except KeyboardInterrupt:  # Ctrl-C: one line, not the traceback of whichever wait it interrupted
-            print(
-                f"{name or function.__name__}: interrupted. Every file is written whole or not at all (atomic "
-                "writes): run the same command again to go on.",
-                file=sys.stderr,
-            )
+            print(f"{name or function.__name__}: interrupted. {AFTER_CTRL_C}", file=sys.stderr)
             raise SystemExit(INTERRUPTED) from None
         status = report(result)
         if status:
@@ -80,12 +81,16 @@ def summarise_errors() -> None:
     and what to do; MONAI's config wraps it ("RuntimeError: Failed to evaluate ConfigExpression", with the expression),
     so a 60-100 line traceback ended with MONAI's words and the useful line sat in its middle. The configs call this
     once, when the bundle's Python is first imported: Python's traceback is still printed, and then, when the error
-    that ended the run wraps one of the bundle's, that one's class and message. Idempotent."""
+    that ended the run wraps one of the bundle's, that one's class and message. Ctrl-C prints one line instead of the
+    traceback of whichever wait it interrupted (Python still exits as interrupted: status 130). Idempotent."""
     previous = sys.excepthook
     if getattr(previous, "bundle_summary", False):
         return
 
     def hook(kind: type[BaseException], error: BaseException, traceback: Any) -> None:
+        if issubclass(kind, KeyboardInterrupt):  # Ctrl-C: one line, as the bundle's other commands say it
+            print(f"interrupted. {AFTER_CTRL_C}", file=sys.stderr)
+            return
         previous(kind, error, traceback)
         ours = bundle_error(error)
         if ours is not None and ours is not error:

@@ -148,7 +148,8 @@ def test_the_bundle_error_inside_monais_wrapper_is_found_whatever_its_class():
 
 def test_a_failed_bundle_run_ends_with_the_bundles_message_after_the_traceback(root):
     """The excepthook the configs install: Python's traceback as before, then the bundle's message as the last line;
-    an error of the bundle that is not wrapped (its own message already ends the traceback) is not repeated."""
+    an error of the bundle that is not wrapped (its own message already ends the traceback) is not repeated; Ctrl-C
+    is one line, not a traceback."""
     code = (
         "import scripts.cli as cli, scripts.config as config\n"
         "cli.summarise_errors(); cli.summarise_errors()\n"
@@ -163,3 +164,7 @@ def test_a_failed_bundle_run_ends_with_the_bundles_message_after_the_traceback(r
     bare = "import scripts.cli as cli, scripts.config as config\ncli.summarise_errors()\nconfig.check_roi_size([40])\n"
     result = subprocess.run([sys.executable, "-c", bare], cwd=root, capture_output=True, text=True, timeout=120)
     assert result.stderr.count("ConfigError: roi_size=[40]") == 1
+    ctrl_c = "import scripts.cli as cli\ncli.summarise_errors()\nraise KeyboardInterrupt\n"
+    result = subprocess.run([sys.executable, "-c", ctrl_c], cwd=root, capture_output=True, text=True, timeout=120)
+    assert result.stderr.startswith("interrupted. Every file is written whole") and len(result.stderr.splitlines()) == 1
+    assert result.returncode in (130, -2), "Python still ends as interrupted by SIGINT"
