@@ -300,8 +300,15 @@ def prepare_case(case: dict, output_dir: str | Path, labels: Sequence[str], comp
         notes=notes,
         segments=volumes.segments,
         volumes_ml={name: round(count * voxel_ml, 3) for name, count in voxels.items()},
+        written=_stats(image_path, label_path),
     )
     return record
+
+
+def _stats(*paths: Path) -> dict[str, list[int]]:
+    """``[size, modification time ns]`` of each output, by its name: what :func:`_up_to_date` finds again unless the
+    file was cut, rewritten or replaced since."""
+    return {path.name: [path.stat().st_size, path.stat().st_mtime_ns] for path in paths}
 
 
 def split_cases(records: Sequence[dict], val_fraction: float, test_fraction: float, num_folds: int, seed: int) -> dict:
@@ -339,9 +346,17 @@ def _outputs(case: dict, output_dir: Path, compress_images: bool) -> tuple[Path,
 
 
 def _up_to_date(case: dict, old: dict, output_dir: Path, compress_images: bool) -> bool:
-    """True when the outputs exist and were made from the same files (:meth:`~scripts.dicom.discovery.DicomIndex.
-    fingerprint`: paths, sizes, modification and change times)."""
-    if not all(p.is_file() for p in _outputs(case, output_dir, compress_images)):
+    """True when the outputs exist as they were written (size and modification time, where the record has them: a
+    NIfTI cut short or replaced since is prepared again, said in the log) and were made from the same files
+    (:meth:`~scripts.dicom.discovery.DicomIndex.fingerprint`: paths, sizes, modification and change times)."""
+    outputs = _outputs(case, output_dir, compress_images)
+    if not all(p.is_file() for p in outputs):
+        return False
+    written = old.get("written")
+    if written is not None and _stats(*outputs) != written:
+        changed = [p.name for p in outputs if _stats(p)[p.name] != written.get(p.name)]
+        logger.warning("%s: %s changed since prepare wrote it (size or time): prepared again", case["case_id"],
+                       ", ".join(changed))  # fmt: skip
         return False
     return bool(old.get("fingerprint")) and old["fingerprint"] == case["fingerprint"]
 

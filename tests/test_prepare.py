@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -170,6 +171,23 @@ def test_second_run_skips_up_to_date_cases_and_rewrites_nothing(prepared, messy_
     assert report["num_prepared"] == 0 and report["num_up_to_date"] == len(info["truths"])
     assert {p: p.stat().st_mtime_ns for p in (out / "images").glob("*.nii")} == before
     assert not list(out.rglob(".*tmp*")), "no temporary files are left behind"
+
+
+def test_a_prepared_file_cut_or_replaced_since_is_prepared_again_and_the_log_says_so(small_cases, tmp_path, caplog):
+    """A NIfTI that prepare wrote and something cut short since (a full disk, a copy interrupted) was kept as "up to
+    date" and failed later in training's cache; its size and time are recorded, so the next run prepares that case
+    again (the same voxels) and only it, naming the file."""
+    root, _ = small_cases
+    first = prepare(root, tmp_path, num_workers=1, progress=False)
+    case = first["cases"][0]
+    image = tmp_path / case["image"]
+    whole = np.asarray(nib.load(image, mmap=False).dataobj)  # not a map of the file cut below (SIGBUS)
+    image.write_bytes(image.read_bytes()[: image.stat().st_size // 2])
+    with caplog.at_level(logging.WARNING, logger="scripts.prepare"):
+        report = prepare(root, tmp_path, num_workers=1, progress=False)
+    assert report["num_prepared"] == 1 and report["num_up_to_date"] == first["num_prepared"] - 1
+    np.testing.assert_array_equal(np.asarray(nib.load(image, mmap=False).dataobj), whole)
+    assert f"{case['case_id']}: {image.name} changed since prepare wrote it" in caplog.text
 
 
 def test_compressed_images_hold_the_same_voxels_and_replace_the_plain_ones(small_cases, tmp_path, capsys):
