@@ -125,10 +125,14 @@ def find_inputs(
         )
     if not runnable:
         detail = "; ".join(e["reason"] for e in failed + skipped) or "it is empty"
-        raise InferenceInputError(
-            f"--input_dir {root}: no usable input ({detail}). Give a folder holding DICOM CT series (any layout: a "
-            "TCIA download, a PACS export) or NIfTI files (.nii.gz)."
+        advice = (
+            "Each case found failed for the reason given: repair or replace those files, or change the series_rules "
+            "that refused them."
+            if failed
+            else "Give a folder holding DICOM CT series (any layout: a TCIA download, a PACS export) or NIfTI files "
+            "(.nii.gz)."
         )
+        raise InferenceInputError(f"--input_dir {root}: no usable input ({detail}). {advice}")
     logger.info(
         "%d case(s) to infer under %s; %d failed their check, %d skipped",
         len(runnable),

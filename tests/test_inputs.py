@@ -76,10 +76,18 @@ def test_a_series_folder_given_directly_is_one_case(small_cases):
     assert len(cases) == 1 and cases[0]["source"] == "dicom"
 
 
-def test_no_usable_input_is_an_error_that_names_the_folder(tmp_path):
+def test_no_usable_input_is_an_error_that_names_the_folder(small_cases, tmp_path):
+    """Nothing found: what the folder should hold. Cases found that all failed (here series_rules refuse them): the
+    advice is to fix those, not to give another folder."""
     (tmp_path / "empty").mkdir()
-    with pytest.raises(InferenceInputError, match=str(tmp_path)):
+    with pytest.raises(InferenceInputError, match=str(tmp_path)) as err:
         find_inputs(tmp_path)
+    assert str(err.value).endswith("Give a folder holding DICOM CT series (any layout: a TCIA download, a PACS "
+                                   "export) or NIfTI files (.nii.gz).")  # fmt: skip
+    series = tcia_tree(small_cases, tmp_path / "tree", [("P1", "1")])
+    with pytest.raises(InferenceInputError, match=r"fewer than series_rules#min_slices \(500\)") as err:
+        find_inputs(series, series_rules={"min_slices": 500})
+    assert str(err.value).endswith("repair or replace those files, or change the series_rules that refused them.")
     with pytest.raises(InferenceInputError, match="no such file or folder"):
         find_inputs(tmp_path / "missing")
 
