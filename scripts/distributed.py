@@ -51,7 +51,21 @@ def setup(backend: str | None = None, timeout_minutes: float = 30.0) -> dict:
         )  # fmt: skip
     info = {"rank": dist.get_rank(), "world_size": dist.get_world_size(), "backend": dist.get_backend()}
     logger.info("process group: rank %(rank)d of %(world_size)d, backend %(backend)s", info)
+    if info["rank"] != 0:
+        quiet_logs()
     return info
+
+
+def quiet_logs() -> None:
+    """This rank's log: warnings and errors only. Every rank runs the same engines, so ignite's "Epoch[k] Complete"
+    and MONAI's "Got new best metric" came once per rank, and a log read for epoch times counted each epoch N times;
+    rank 0 logs the run, the others only what goes wrong."""
+    logging.getLogger().setLevel(logging.WARNING)
+    for handler in logging.getLogger().handlers:
+        handler.setLevel(max(handler.level, logging.WARNING))
+    for name, existing in logging.root.manager.loggerDict.items():  # loggers given their own level (MONAI's engines)
+        if isinstance(existing, logging.Logger) and existing.level and existing.level < logging.WARNING:
+            logging.getLogger(name).setLevel(logging.WARNING)
 
 
 def _attempt_store(timeout: timedelta) -> dist.Store:
@@ -104,13 +118,14 @@ def shard(data: Sequence, partition: bool = True, seed: int = 0, even: bool = Fa
     if even:
         order = torch.randperm(len(data), generator=torch.Generator().manual_seed(int(seed))).tolist()
         data = [data[i] for i in order]
-    part = data[rank() :: world_size()]
-    if even:
-        size = -(-len(data) // world_size())
-        part += part[: size - len(part)]
-    ids = [str(d.get("case_id", i)) if isinstance(d, dict) else str(i) for i, d in enumerate(part)]
-    logger.info("rank %d holds %d %s case(s): %s", rank(), len(part), name, " ".join(ids))
-    return part
+    size = -(-len(data) // world_size())
+    parts = [data[r :: world_size()] for r in range(world_size())]
+    parts = [part + part[: size - len(part)] if even else part for part in parts]
+    if rank() == 0:  # one log for the run (quiet_logs): rank 0 says what every rank holds
+        for r, part in enumerate(parts):
+            ids = [str(d.get("case_id", i)) if isinstance(d, dict) else str(i) for i, d in enumerate(part)]
+            logger.info("rank %d holds %d %s case(s): %s", r, len(part), name, " ".join(ids))
+    return parts[rank()]
 
 
 def cleanup() -> None:

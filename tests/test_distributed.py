@@ -7,6 +7,7 @@ threads finish before the process exits. A real two-process gloo group checks ``
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import time
@@ -153,7 +154,12 @@ def _free_port() -> int:
 def _worker(rank: int, world: int, port: int, out: str) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    logging.basicConfig(level=logging.INFO)  # as monai.bundle run's logging config: INFO, an engine with its own level
+    logging.getLogger("ignite.engine.engine.SupervisedTrainer").setLevel(logging.INFO)
     info = distributed.setup(backend="gloo", timeout_minutes=1)
+    engine_log = logging.getLogger("ignite.engine.engine.SupervisedTrainer")
+    logs = {"info": engine_log.isEnabledFor(logging.INFO) and logging.getLogger("scripts").isEnabledFor(logging.INFO),
+            "warning": engine_log.isEnabledFor(logging.WARNING)}  # fmt: skip
     late = Path(out) / "late"
     if rank == 1:
         time.sleep(1.0)
@@ -161,6 +167,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     distributed.barrier()
     result = {
         **info,
+        "logs": logs,
         "is_rank0": distributed.is_rank0(),
         "saw_late_after_barrier": late.exists(),
         "plain": [c["case_id"] for c in distributed.shard(cases(5))],
@@ -189,6 +196,8 @@ def test_two_process_gloo_group_shards_and_waits(tmp_path):
         (1, 2, "gloo", False),
     ]
     assert ranks[0]["saw_late_after_barrier"], "rank 0 waited at the barrier for rank 1"
+    assert ranks[0]["logs"] == {"info": True, "warning": True}, "rank 0 logs the run"
+    assert ranks[1]["logs"] == {"info": False, "warning": True}, "the other ranks log only what goes wrong"
     assert sorted(ranks[0]["plain"] + ranks[1]["plain"]) == [c["case_id"] for c in cases(5)]
     assert len(ranks[0]["even"]) == len(ranks[1]["even"]) == 3
     assert not set(ranks[0]["even"]) & set(ranks[1]["even"])
