@@ -8,6 +8,8 @@
 
 from __future__ import annotations
 
+import ast
+import inspect
 import math
 from collections.abc import Sequence
 
@@ -72,3 +74,56 @@ def check_roi_size(roi_size: Sequence[int]) -> None:
             f"halvings (at 32x32x32 the bottleneck is a single voxel and instance norm fails). "
             f'Try --roi_size "{fixed}".'
         )
+
+
+def check_overrides(argv: Sequence[str] | None = None) -> bool:
+    """A ``--<id> value`` of ``python -m monai.bundle run`` whose id no config of the run defines is a
+    :class:`ConfigError` naming the closest ids: MONAI adds such an id to the config, where nothing reads it, so a typo
+    (``--max_epoch 2``) was silently ignored and the run went on with the default. Only the id's first part is checked
+    (``train#trainer#max_epochs``: ``train``); below it a new key can be a component's argument. ``argv``: the
+    process's (``sys.argv``); outside ``monai.bundle``'s command line (a test, MONAI Label) nothing is checked. Returns
+    True so it can sit in a config's list of steps."""
+    import difflib
+    import sys
+    from pathlib import Path
+
+    argv = list(sys.argv if argv is None else argv)
+    if not argv or Path(argv[0]).parts[-2:] != ("bundle", "__main__.py"):
+        return True
+    given = _option_ids(argv[1:])
+    files = given.pop("config_file", None)
+    if not files:
+        return True
+    from monai.bundle import ConfigParser
+    from monai.bundle.scripts import run
+
+    try:
+        paths = ast.literal_eval(files) if files.lstrip().startswith("[") else files
+        defined = set(ConfigParser.load_config_files(paths))
+    except Exception:  # MONAI reads the files itself and says what is wrong with them
+        return True
+    known = defined | set(inspect.signature(run).parameters)
+    unknown = sorted({key for key in given if key.replace("::", "#").split("#")[0] not in known})
+    if unknown:
+        hints = []
+        for key in unknown:
+            close = difflib.get_close_matches(key.split("#")[0], sorted(defined), n=3, cutoff=0.6)
+            hints.append(f"--{key}" + (f" (did you mean {', '.join('--' + c for c in close)}?)" if close else ""))
+        raise ConfigError(
+            f"{'; '.join(hints)}: no config of this run defines {'that id' if len(unknown) == 1 else 'those ids'}, so "
+            "the setting would be ignored. The ids are the keys of the config files (configs/train.yaml, ...)."
+        )
+    return True
+
+
+def _option_ids(args: Sequence[str]) -> dict[str, str]:
+    """``--key value`` and ``--key=value`` of a command line, as ``{key: value}`` (a flag alone: "True")."""
+    found: dict[str, str] = {}
+    for i, arg in enumerate(args):
+        if not arg.startswith("--") or len(arg) == 2:
+            continue
+        key, equals, value = arg[2:].partition("=")
+        if not equals:
+            value = args[i + 1] if i + 1 < len(args) and not args[i + 1].startswith("--") else "True"
+        found[key] = value
+    return found

@@ -48,3 +48,25 @@ def test_flags_are_read_by_monais_own_rule():
             str2bool(text)
         with pytest.raises(ConfigError):
             as_bool(text)
+
+
+def test_an_override_no_config_defines_fails_with_the_closest_ids(root):
+    """`--max_epoch 2` (a typo) was added by MONAI as a new id that nothing reads, and the run went on with
+    max_epochs' default. Known ids pass, whatever lies below their first part (a component's new argument), as do
+    MONAI's own options; a command line that is not monai.bundle's is not checked."""
+    from scripts.config import check_overrides
+
+    main = "/venv/lib/python3.11/site-packages/monai/bundle/__main__.py"
+    configs = str([str(root / "configs" / "train.yaml"), str(root / "configs" / "demo.yaml")])
+    with pytest.raises(ConfigError) as err:
+        check_overrides([main, "run", "--config_file", configs, "--max_epoch", "2", "--output_dir", "x"])
+    assert str(err.value).startswith("--max_epoch (did you mean --max_epochs")
+    assert "no config of this run defines that id, so the setting would be ignored" in str(err.value)
+    good = [main, "run", "training", "--config_file", configs, "--max_epochs", "2", "--train#trainer#max_epochs=3",
+            "--sliding_window_inferer#force_oom", "1", "--demo_cases", "4", "--meta_file", "m", "--resume"]  # fmt: skip
+    assert check_overrides(good)
+    inference = [main, "run", "inference", "--config_file", str(root / "configs" / "inference.yaml"),
+                 "--series_rules#min_slices", "50", "--input_dirr", "x"]  # fmt: skip
+    with pytest.raises(ConfigError, match=r"--input_dirr \(did you mean --input_dir"):
+        check_overrides(inference)
+    assert check_overrides(["pytest", "--max_epoch", "2"]), "not monai.bundle's command line: not checked"
