@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from scripts.config import check_ids
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -252,8 +253,11 @@ def run(
     configs = [ROOT / "configs" / "train.yaml"]
     configs += [ROOT / "configs" / "demo.yaml"] if str(demo).lower() == "true" else []
     configs.append(ROOT / "configs" / "benchmark.yaml")
+    check_ids(overrides, configs)  # a misspelt option (--onlyy) would otherwise reach every row as a new config id
     settings = {"bundle_root": str(ROOT), "benchmark_warmup": warmup, "benchmark_steps": steps, **overrides}
     sets = [name for name in SWITCH_SETS if not only or only in name]
+    if not sets:
+        raise SystemExit(f"bench_switches: --only {only!r} is in no row's name; the rows: " + "; ".join(SWITCH_SETS))
     records = run_rows(sets, configs, settings, output_dir)
     table = table_of(records)
     out = Path(output_dir)
@@ -285,7 +289,8 @@ def table_of(records: Sequence[dict[str, Any]]) -> str:
         lines.append(
             f"| {record['set']} | {r['ms_per_step_median']:.0f} | {r['ms_per_step_p90']:.0f} | "
             f"{r['patches_per_s']:.3f} | {100 * r['data_wait_fraction']:.1f}% | {busy} | {r['peak_memory_gib']:.2f} | "
-            f"{r['first_step_s'] or 'n/a'} | {r['patches_per_s'] / base:.2f}x |"
+            f"{'n/a' if r['first_step_s'] is None else format(r['first_step_s'], '.1f')} | "
+            f"{r['patches_per_s'] / base:.2f}x |"
         )
     return "\n".join(lines) + "\n"
 

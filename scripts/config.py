@@ -11,7 +11,8 @@ from __future__ import annotations
 import ast
 import inspect
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from pathlib import Path
 
 from scripts.labels import COLLECTION, LabelError, check_labels
 
@@ -77,15 +78,12 @@ def check_roi_size(roi_size: Sequence[int]) -> None:
 
 
 def check_overrides(argv: Sequence[str] | None = None) -> bool:
-    """A ``--<id> value`` of ``python -m monai.bundle run`` whose id no config of the run defines is a
-    :class:`ConfigError` naming the closest ids: MONAI adds such an id to the config, where nothing reads it, so a typo
-    (``--max_epoch 2``) was silently ignored and the run went on with the default. Only the id's first part is checked
-    (``train#trainer#max_epochs``: ``train``); below it a new key can be a component's argument. ``argv``: the
+    """A ``--<id> value`` of ``python -m monai.bundle run`` that no config of the bundle defines is a
+    :class:`ConfigError` naming the closest ids (:func:`check_ids`): MONAI adds such an id to the config, where nothing
+    reads it, so a typo (``--max_epoch 2``) was silently ignored and the run went on with the default. ``argv``: the
     process's (``sys.argv``); outside ``monai.bundle``'s command line (a test, MONAI Label) nothing is checked. Returns
     True so it can sit in a config's list of steps."""
-    import difflib
     import sys
-    from pathlib import Path
 
     argv = list(sys.argv if argv is None else argv)
     if not argv or Path(argv[0]).parts[-2:] != ("bundle", "__main__.py"):
@@ -94,26 +92,47 @@ def check_overrides(argv: Sequence[str] | None = None) -> bool:
     files = given.pop("config_file", None)
     if not files:
         return True
-    from monai.bundle import ConfigParser
+    try:
+        paths = ast.literal_eval(files) if files.lstrip().startswith("[") else [files]
+    except (ValueError, SyntaxError):  # MONAI reads the files itself and says what is wrong with them
+        return True
     from monai.bundle.scripts import run
 
-    try:
-        paths = ast.literal_eval(files) if files.lstrip().startswith("[") else files
-        defined = set(ConfigParser.load_config_files(paths))
-    except Exception:  # MONAI reads the files itself and says what is wrong with them
-        return True
-    known = defined | set(inspect.signature(run).parameters)
-    unknown = sorted({key for key in given if key.replace("::", "#").split("#")[0] not in known})
-    if unknown:
-        hints = []
-        for key in unknown:
-            close = difflib.get_close_matches(key.split("#")[0], sorted(defined), n=3, cutoff=0.6)
-            hints.append(f"--{key}" + (f" (did you mean {', '.join('--' + c for c in close)}?)" if close else ""))
-        raise ConfigError(
-            f"{'; '.join(hints)}: no config of this run defines {'that id' if len(unknown) == 1 else 'those ids'}, so "
-            "the setting would be ignored. The ids are the keys of the config files (configs/train.yaml, ...)."
-        )
+    check_ids([k for k in given if k not in inspect.signature(run).parameters], paths)
     return True
+
+
+def check_ids(ids: Iterable[str], config_files: Sequence[str | Path]) -> None:
+    """:class:`ConfigError` for each id whose first part (``train#trainer#max_epochs``: ``train``; below it a new key
+    can be a component's argument) no config defines: neither ``config_files`` nor the other configs beside them (the
+    bundle's tools hand an id of one config to a run of another: evaluation's ``eval_pictures`` to each
+    cross-validation fold's training). The message names the closest ids."""
+    import difflib
+
+    from monai.bundle import ConfigParser
+
+    folders = {Path(f).resolve().parent for f in config_files}
+    files = {Path(f).resolve() for f in config_files}
+    files |= {f for d in folders for f in d.glob("*.yaml")}
+    defined: set[str] = set()
+    for file in sorted(files):
+        try:
+            content = ConfigParser.load_config_file(str(file))
+        except Exception:  # not a config (metadata, logging): MONAI says what is wrong with the run's own files
+            continue
+        if isinstance(content, dict):
+            defined |= {str(key).replace("::", "#").split("#")[0] for key in content}
+    unknown = sorted({key for key in ids if key.replace("::", "#").split("#")[0] not in defined})
+    if not unknown:
+        return
+    hints = []
+    for key in unknown:
+        close = difflib.get_close_matches(key.split("#")[0], sorted(defined), n=3, cutoff=0.6)
+        hints.append(f"--{key}" + (f" (did you mean {', '.join('--' + c for c in close)}?)" if close else ""))
+    raise ConfigError(
+        f"{'; '.join(hints)}: no config of the bundle defines {'that id' if len(unknown) == 1 else 'those ids'}, so "
+        "the setting would be ignored. The ids are the keys of the config files (configs/train.yaml, ...)."
+    )
 
 
 def _option_ids(args: Sequence[str]) -> dict[str, str]:

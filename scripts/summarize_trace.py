@@ -421,7 +421,9 @@ def summarize(path: str | Path, parser: str = "auto", work: dict[str, int] | Non
     try:
         with _open_binary(path) as stream:
             _read_events_json(_Scanner(stream, path, work), collected, fast, skim=parser != "json")
-    except (OSError, EOFError, zlib.error, zipfile.BadZipFile) as exc:
+    except (EOFError, zlib.error) as exc:  # a compressed trace cut short, as the profiler leaves one it was writing
+        raise TraceError(f"{path}: cannot read: {exc}; was the trace still being written?") from exc
+    except (OSError, zipfile.BadZipFile) as exc:
         raise TraceError(f"{path}: cannot read: {exc}") from exc
     events = collected.decoded + collected.skipped
     if events == 0:
@@ -594,7 +596,7 @@ class _Scanner:
         """Consume the next non-whitespace character, one of ``chars``; else a truncated/malformed error."""
         char = self.peek()
         if char == "":
-            raise self.error("truncated", f"the file ends inside {where}")
+            raise self.error("truncated", f"the file ends {where}")
         if char not in chars:
             raise self.error("malformed", f"expected {' or '.join(repr(c) for c in chars)} {where}, found {char!r}")
         self.pos += 1
@@ -621,10 +623,11 @@ class _Scanner:
                 continue
             work["decoded"] += len(buf) - pos  # at most: how far the scanner got is not known
             at_end = err_pos >= len(buf) - 64 or msg.startswith("Unterminated string")
+            where = f"{msg.removesuffix(' at')} at byte {self.base + err_pos}"  # "Unterminated string starting at"
             if not at_end or len(buf) - pos > _MAX_PENDING_CHARS:
-                raise self.error("malformed", f"{msg} at byte {self.base + err_pos}")
+                raise self.error("malformed", where)
             if not self.fill():
-                raise self.error("truncated", f"{msg} at byte {self.base + err_pos}, the end of the file")
+                raise self.error("truncated", f"{where}, the end of the file")
 
     def error(self, kind: str, detail: str) -> TraceError:
         """A :class:`TraceError` naming the file: ``truncated`` (asks whether it was still written) or malformed."""

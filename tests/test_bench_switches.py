@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from benchmarks.bench_switches import SWITCH_SETS, overrides, run_rows, table_of
+from benchmarks.bench_switches import SWITCH_SETS, overrides, run, run_rows, table_of
 from monai.bundle import ConfigParser
 
 CONFIGS = [str(Path(__file__).resolve().parents[1] / "configs" / name) for name in ("train.yaml", "benchmark.yaml")]
@@ -65,3 +65,15 @@ def test_every_set_gives_the_config_values_of_the_types_it_reads(name):
             assert type(value) is type(default), (key, value, default)
     if "num_samples" in SWITCH_SETS[name][0]:
         assert parser.get_parsed_content("num_samples") == int(SWITCH_SETS[name][0]["num_samples"])
+
+
+def test_an_only_that_matches_no_row_and_a_misspelt_option_fail_naming_the_choices(tmp_path):
+    """--only "channel_last" printed an empty table with status 0; --onlyy reached every row as a new config id.
+    Both now fail before any row runs."""
+    from scripts.config import ConfigError
+
+    with pytest.raises(SystemExit, match=r"--only 'channel_last' is in no row's name; the rows: .*channels_last"):
+        run(output_dir=str(tmp_path), only="channel_last")
+    with pytest.raises(ConfigError, match=r"--onlyy: no config of the bundle defines that id"):
+        run(output_dir=str(tmp_path), onlyy="channels_last")
+    assert not list(tmp_path.iterdir()), "no row ran"

@@ -61,7 +61,7 @@ def test_an_override_no_config_defines_fails_with_the_closest_ids(root):
     with pytest.raises(ConfigError) as err:
         check_overrides([main, "run", "--config_file", configs, "--max_epoch", "2", "--output_dir", "x"])
     assert str(err.value).startswith("--max_epoch (did you mean --max_epochs")
-    assert "no config of this run defines that id, so the setting would be ignored" in str(err.value)
+    assert "no config of the bundle defines that id, so the setting would be ignored" in str(err.value)
     good = [main, "run", "training", "--config_file", configs, "--max_epochs", "2", "--train#trainer#max_epochs=3",
             "--sliding_window_inferer#force_oom", "1", "--demo_cases", "4", "--meta_file", "m", "--resume"]  # fmt: skip
     assert check_overrides(good)
