@@ -121,18 +121,23 @@ def check_ids(ids: Iterable[str], config_files: Sequence[str | Path]) -> None:
         except Exception:  # not a config (metadata, logging): MONAI says what is wrong with the run's own files
             continue
         if isinstance(content, dict):
-            defined |= {str(key).replace("::", "#").split("#")[0] for key in content}
-    unknown = sorted({key for key in ids if key.replace("::", "#").split("#")[0] not in defined})
+            defined |= {_first_part(str(key)) for key in content}
+    unknown = sorted({key for key in ids if _first_part(key) not in defined})
     if not unknown:
         return
     hints = []
     for key in unknown:
-        close = difflib.get_close_matches(key.split("#")[0], sorted(defined), n=3, cutoff=0.6)
+        close = difflib.get_close_matches(_first_part(key), sorted(defined), n=3, cutoff=0.6)
         hints.append(f"--{key}" + (f" (did you mean {', '.join('--' + c for c in close)}?)" if close else ""))
     raise ConfigError(
         f"{'; '.join(hints)}: no config of the bundle defines {'that id' if len(unknown) == 1 else 'those ids'}, so "
         "the setting would be ignored. The ids are the keys of the config files (configs/train.yaml, ...)."
     )
+
+
+def _first_part(config_id: str) -> str:
+    """The top-level id of a config id (``train#trainer#max_epochs`` or MONAI's older ``train::trainer``: ``train``)."""
+    return config_id.replace("::", "#").split("#")[0]
 
 
 def _option_ids(args: Sequence[str]) -> dict[str, str]:

@@ -33,7 +33,7 @@ from monai.utils import MetaKeys
 from scripts.cpus import usable_cpus
 from scripts.dicom import DicomCaseError, read_ct_series, scan_ct_series
 from scripts.dicom.ct import SeriesSource, SliceMap
-from scripts.dicom.discovery import DicomIndex, scan
+from scripts.dicom.discovery import DicomIndex, damaged_slice, scan
 from scripts.dicom.series_rules import PREFERENCE, SeriesRules
 from scripts.files import check_case_name, display_name, unique_name, write_json
 
@@ -343,8 +343,8 @@ class LoadCased(MapTransform):
 
 
 def _read_nifti(path: Path) -> tuple[np.ndarray, np.ndarray]:
-    """A NIfTI CT's 3D voxels and affine; :class:`InferenceInputError` naming the file for one that cannot be read,
-    is not 3D, or does not hold Hounsfield units (:data:`MIN_HU_SPAN`)."""
+    """A NIfTI CT's 3D voxels and affine; :class:`InferenceInputError` naming the file for one that cannot be read or
+    is not 3D (whether it holds Hounsfield units is :func:`check_hounsfield`'s)."""
     try:
         image = nib.load(str(path))
         array, affine = np.asarray(image.dataobj), image.affine
@@ -396,7 +396,7 @@ def _checked(case: dict, index: DicomIndex) -> dict:
         raise DicomCaseError(failures[0][1])
     raise DicomCaseError(
         f"none of the study's {len(failures)} usable CT series passes its check: "
-        + "; ".join(f"series {c['series'].get('number') or c['series_uid']}: {why}" for c, why in failures)
+        + "; ".join(f"{_series_name(c['series'])}: {why}" for c, why in failures)
     )
 
 
@@ -405,12 +405,12 @@ def _noted(case: dict, failures: Sequence[tuple[dict, str]]) -> dict:
     failed): the notes, ``series["why"]`` and ``alternatives`` say what happened."""
     if not failures:
         return case
-    used = f"series {case['series'].get('number') or case['series_uid']}"
+    used = _series_name(case["series"])
     tried, notes, failed = set(), [], []
     for candidate, why in failures:
         info = candidate["series"]
         tried.add(info["series_uid"])
-        notes.append(f"series {info.get('number') or info['series_uid']} failed its check, so {used} is used: {why}")
+        notes.append(f"{_series_name(info)} failed its check, so {used} is used: {why}")
         kept = {k: v for k, v in info.items() if k not in ("why", "note")}
         failed.append({**kept, "reason": f"failed its check: {why}"})
     others = [a for a in case["alternatives"] if a["series_uid"] not in tried | {case["series_uid"]}]
@@ -423,14 +423,16 @@ def _noted(case: dict, failures: Sequence[tuple[dict, str]]) -> dict:
     }
 
 
+def _series_name(info: Mapping) -> str:
+    """A series as a report names it: by its SeriesNumber, or its UID where it has none."""
+    return f"series {info.get('number') or info['series_uid']}"
+
+
 def _check_input(case: dict) -> None:
     path, source = Path(case["image"]), case["source"]
     if source == "dicom":  # uneven spacing and gantry tilt are resampled when the case is read
         if case.get("damaged"):
-            raise DicomCaseError(
-                f"{case['damaged'][0]}: a damaged DICOM file among the slices of CT series {case['series_uid']} "
-                "(it cannot be read, so a slice may be missing); download the series again"
-            )
+            raise DicomCaseError(damaged_slice(case["damaged"][0], case["series_uid"]))
         try:
             scan_ct_series(case.get("slice_paths") or path, resample=True)
         except DicomCaseError as err:

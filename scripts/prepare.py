@@ -308,7 +308,8 @@ def prepare_case(case: dict, output_dir: str | Path, labels: Sequence[str], comp
 def _stats(*paths: Path) -> dict[str, list[int]]:
     """``[size, modification time ns]`` of each output, by its name: what :func:`_up_to_date` finds again unless the
     file was cut, rewritten or replaced since."""
-    return {path.name: [path.stat().st_size, path.stat().st_mtime_ns] for path in paths}
+    stats = {path.name: path.stat() for path in paths}
+    return {name: [stat.st_size, stat.st_mtime_ns] for name, stat in stats.items()}
 
 
 def split_cases(records: Sequence[dict], val_fraction: float, test_fraction: float, num_folds: int, seed: int) -> dict:
@@ -352,9 +353,9 @@ def _up_to_date(case: dict, old: dict, output_dir: Path, compress_images: bool) 
     outputs = _outputs(case, output_dir, compress_images)
     if not all(p.is_file() for p in outputs):
         return False
-    written = old.get("written")
-    if written is not None and _stats(*outputs) != written:
-        changed = [p.name for p in outputs if _stats(p)[p.name] != written.get(p.name)]
+    written, now = old.get("written"), _stats(*outputs)
+    if written is not None and now != written:
+        changed = [name for name, stat in now.items() if stat != written.get(name)]
         logger.warning("%s: %s changed since prepare wrote it (size or time): prepared again", case["case_id"],
                        ", ".join(changed))  # fmt: skip
         return False

@@ -285,11 +285,7 @@ def scan(
 
 
 def _walk(
-    root: Path,
-    exclude: set[str],
-    skip_folder: SkipFolder | None = None,
-    skipped: dict[str, str] | None = None,
-    again: dict[str, str] | None = None,
+    root: Path, exclude: set[str], skip_folder: SkipFolder | None, skipped: dict[str, str], again: dict[str, str]
 ) -> Iterable[tuple[str, list[int]]]:
     """(path relative to ``root``, [size, mtime_ns, ctime_ns]) of every visible file, in sorted order; the folders
     ``skip_folder`` leaves out go into ``skipped`` with the reason, those reached again through a link into ``again``
@@ -299,7 +295,6 @@ def _walk(
         yield root.name, [stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns]
         return
     visited: dict[str, str] = {}  # real path -> the folder first read there
-    skipped, again = ({} if skipped is None else skipped), ({} if again is None else again)
     for folder, dirs, files in os.walk(root, followlinks=True):
         real, rel = os.path.realpath(folder), os.path.relpath(folder, root)
         if real in visited or real in exclude:
@@ -323,6 +318,15 @@ def _walk(
             except OSError:  # a broken link, or a file removed while listing
                 continue
             yield os.path.relpath(path, root), [stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns]
+
+
+def damaged_slice(path: str | Path, series_uid: str) -> str:
+    """Why a CT series with a damaged DICOM file among its slices (``path``) is refused, training's case and
+    inference's alike."""
+    return (
+        f"{path}: a damaged DICOM file among the slices of CT series {series_uid} (it cannot be read, so a slice may "
+        "be missing); download the series again"
+    )
 
 
 def _has_dicom_marker(path: Path) -> bool:
@@ -560,10 +564,7 @@ class DicomIndex:
                 f"skipped {len(others)} file(s) beside its slices that are not CT slices: {', '.join(others[:10])}"
             )
         if damaged:
-            case["reason"] = (
-                f"{self.root / damaged[0]}: a damaged DICOM file among the slices of CT series {s.uid} "
-                "(it cannot be read, so a slice may be missing); download the series again"
-            )
+            case["reason"] = damaged_slice(self.root / damaged[0], s.uid)
         chosen, unused, note = choose_annotation(annotations, labels, source)
         if chosen is None:
             case.setdefault("reason", f"CT series {s.uid} in {case['path']}: {note}")
