@@ -51,8 +51,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from scripts.cpus import usable_cpus
-from scripts.files import file_sha256, replace_atomically, write_json
+from scripts import int8
+from scripts.cpus import NATIVE_BF16, cpu_isa, usable_cpus
+from scripts.files import file_sha256, read_json, replace_atomically, write_json
 
 if TYPE_CHECKING:
     from scripts.calibration import Calibration
@@ -65,8 +66,6 @@ CPU_BACKENDS = ("openvino", "onnxruntime")
 #: else ONNX Runtime
 AUTO_ORDER = ("openvino", "onnxruntime")
 PRECISIONS = ("auto", "bf16", "f32", "int8")
-#: what ``cpu_precision: int8`` needs beyond OpenVINO (requirements-int8.txt)
-INT8_EXTRA = "pip install -r requirements-int8.txt"
 #: OpenVINO: at most this many windows run side by side (sw_batch_size, the windows that arrive together, is 4)
 MAX_STREAMS = 4
 #: the ONNX opset of the export: the lowest torch's exporter writes (ONNX Runtime 1.32 runs up to 23)
@@ -102,27 +101,44 @@ def resolve(backend: str, device: torch.device | str) -> str:
     return name
 
 
-def resolve_precision(precision: str, backend: str) -> str:
-    """The precision the network runs in on a CPU: for OpenVINO ``auto`` is ``bf16`` where the CPU computes bf16
-    natively (:func:`native_bf16`), else ``f32``; ``bf16`` is refused on a CPU without it, and by ONNX Runtime and
-    PyTorch, which run ``f32`` (the message says what to set). ``int8`` (never chosen by ``auto``) is OpenVINO's
-    only, with NNCF installed (:data:`INT8_EXTRA`)."""
+def resolve_precision(precision: str, backend: str, calibration: str | Path | None = None) -> str:
+    """The precision the network runs in on a CPU. For OpenVINO ``auto`` is ``bf16`` where the CPU computes bf16
+    natively (:func:`native_bf16`); elsewhere ``int8`` when ``calibration`` (``int8_calibration``: a training run's
+    datalist or a folder of CTs) is given and NNCF is installed -- int8 is 1.8x f32's speed on such CPUs
+    (docs/performance.md) and proves itself against f32 when it is made (:mod:`scripts.int8`), else ``f32``; the log
+    says which and why. ``bf16`` is refused on a CPU without it, and by ONNX Runtime and PyTorch, which run ``f32``
+    (the message says what to set); ``int8`` is OpenVINO's only, with NNCF installed."""
     name = str(precision).strip().lower()
     if name not in PRECISIONS:
         raise BackendError(f"cpu_precision={precision!r}: choose one of {', '.join(PRECISIONS)}.")
+    nncf = importlib.util.find_spec("nncf") is not None
     if name == "int8":
         if backend != "openvino":
             raise BackendError(f"cpu_precision=int8 runs in OpenVINO, not {backend}: --inference_backend openvino (or "
                                "auto on a CPU), or --cpu_precision f32.")  # fmt: skip
-        if importlib.util.find_spec("nncf") is None:
+        if not nncf:
             raise BackendError(f"cpu_precision=int8 needs NNCF, OpenVINO's quantiser, which is an optional extra: "
-                               f"{INT8_EXTRA}; or use --cpu_precision auto.")  # fmt: skip
+                               f"{int8.INT8_EXTRA}; or use --cpu_precision auto.")  # fmt: skip
         return name
     if backend == "openvino":
         if name == "bf16" and not native_bf16():
             raise BackendError("cpu_precision=bf16: this CPU does not compute bf16 natively (no AVX-512 BF16 or AMX; "
                                "OpenVINO would emulate it): use --cpu_precision f32 or auto.")  # fmt: skip
-        return ("bf16" if native_bf16() else "f32") if name == "auto" else name
+        if name != "auto":
+            return name
+        cpu = f"no native bf16 on this CPU ({cpu_isa() or 'unknown'})"
+        if native_bf16():
+            chosen, why = "bf16", "the CPU computes bf16 natively"
+        elif calibration not in (None, "", "null") and nncf:
+            chosen, why = "int8", (f"{cpu}; int8 calibrated on {calibration} and checked against f32 once, f32 "
+                                   "where it fails the check")  # fmt: skip
+        else:
+            missing = "--int8_calibration <a training run's datalist.json or a folder of CTs>" + (
+                "" if nncf else f" and {int8.INT8_EXTRA}"
+            )
+            chosen, why = "f32", f"{cpu}; int8 runs faster here: give {missing}"
+        logger.info("cpu_precision auto: %s in OpenVINO (%s)", chosen, why)
+        return chosen
     if name == "bf16":
         raise BackendError(f"cpu_precision=bf16 runs in OpenVINO, not {backend}: --inference_backend openvino (or "
                            "auto on a CPU), or --cpu_precision f32.")  # fmt: skip
@@ -132,10 +148,26 @@ def resolve_precision(precision: str, backend: str) -> str:
 @functools.cache
 def native_bf16() -> bool:
     """Whether OpenVINO's CPU plugin computes bf16 natively on this CPU (AVX-512 BF16, AMX): it lists ``BF16`` among
-    its optimisation capabilities only then."""
+    its optimisation capabilities only then. oneDNN capped below AVX-512 BF16 (``ONEDNN_MAX_CPU_ISA``,
+    :func:`scripts.cpus.cpu_isa`) makes it a CPU without, as its kernels then are."""
     import openvino
 
+    isa = cpu_isa()
+    if isa is not None and isa not in NATIVE_BF16:
+        return False
     return "BF16" in openvino.Core().get_property("CPU", "OPTIMIZATION_CAPABILITIES")
+
+
+def precision_in_force(network: torch.nn.Module, precision: str) -> str:
+    """The precision the CPU runtime runs ``network`` (made, see :func:`prepare`) in, for the reports: ``precision``,
+    or f32 where int8 failed its check against f32 (``f32 (int8 refused by its check)``; an ensemble whose members
+    differ names each)."""
+    found = [m.precision for m in network.modules() if isinstance(m, OpenVinoNetwork)]
+    if not found or set(found) == {precision}:
+        return precision
+    if len(set(found)) == 1:
+        return f"{found[0]} ({precision} refused by its check)"
+    return " + ".join(found) + f" ({precision} refused by its check for some models)"
 
 
 def onnx_network(
@@ -345,9 +377,10 @@ class OnnxNetwork(torch.nn.Module):
 class OpenVinoNetwork(torch.nn.Module):
     """The ONNX export compiled by OpenVINO for the CPU, called like the PyTorch network: float32 ``[B, 1, *window]``
     in, float32 logits out, in ``precision`` (``bf16``: OpenVINO's bf16 inference precision, weights and activations
-    in bf16 with f32 accumulation; ``f32``; ``int8``: the model quantised on ``calibration``'s windows by
-    :func:`quantized_model`). The compiled model is cached in ``<model_file>.openvino-<precision>/``; the log says
-    whether it was compiled (and in how many seconds) or loaded.
+    in bf16 with f32 accumulation; ``f32``; ``int8``: the model quantised on ``calibration``'s windows and checked
+    against f32 by :func:`scripts.int8.quantised`, or f32 where it failed that check). The compiled model is cached
+    in ``<model_file>.openvino-<precision>/``; the log says whether it was compiled (and in how many seconds) or
+    loaded.
 
     ``streams``: how many windows of a batch run side by side, the threads shared among them (OpenVINO's streams;
     None: as many as threads, at most :data:`MAX_STREAMS`). On this project's 2-core machine the chest phantom's 30
@@ -364,47 +397,22 @@ class OpenVinoNetwork(torch.nn.Module):
         calibration: Calibration | None = None,
     ) -> None:
         super().__init__()
-        import openvino
-
         self.model_file = Path(model_file)
         self.threads = int(threads) if threads else usable_cpus()
         self.precision = precision
         self.streams = max(1, min(int(streams) if streams else MAX_STREAMS, self.threads))
         if precision == "int8" and calibration is None:
             raise BackendError(f"{self.model_file}: cpu_precision=int8 needs calibration windows (int8_calibration).")
-        cache = self.model_file.with_name(f"{self.model_file.name}.openvino-{precision}")
-        # int8: the quantised layers run in int8, what stays unquantised in f32 (the CPUs int8 is for have no bf16)
-        config = {"INFERENCE_PRECISION_HINT": "f32" if precision == "int8" else precision,
-                  "INFERENCE_NUM_THREADS": self.threads}  # fmt: skip
-        if self.streams > 1:
-            config.update(PERFORMANCE_HINT="THROUGHPUT", NUM_STREAMS=self.streams)
-        else:
-            config.update(PERFORMANCE_HINT="LATENCY")
-        lock = contextlib.nullcontext()
-        with contextlib.suppress(OSError):  # a read-only folder: compiled each run, nothing kept
-            cache.mkdir(exist_ok=True)
-            lock = open(f"{cache}.lock", "a")  # noqa: SIM115 -- one process compiles, the others load its blob
-            config["CACHE_DIR"] = str(cache)
+        #: why the network runs in another precision than asked (int8 refused by its check against f32), or None
+        self.fallback: str | None = None
         start = time.perf_counter()
-        try:
-            with lock:
-                if "CACHE_DIR" in config:
-                    _exclusive(lock)
-                model: Any = str(self.model_file)
-                if precision == "int8":  # quantised once (kept in the cache folder), then compiled as the others
-                    model = quantized_model(self.model_file, calibration, cache if "CACHE_DIR" in config else None)
-                    start = time.perf_counter()  # quantisation logs its own seconds: the line below is compilation's
-                cached = cache.is_dir() and any(cache.glob("*.blob"))
-                self.compiled = openvino.Core().compile_model(model, "CPU", config)
-        except Exception as err:  # OpenVINO raises its own exception types
-            raise BackendError(
-                f"{self.model_file}: OpenVINO cannot compile it ({str(err)[:300]}); delete it, "
-                f"{_sidecar(self.model_file).name} and {cache.name}/, and run again to export it anew."
-            ) from err
+        # int8: quantised and checked once (kept beside the compiled models), else f32 (None: nothing compiled yet)
+        compiled = self._int8(calibration) if precision == "int8" else None
+        if compiled is None:
+            with self._cache_lock(self.precision) as folder:
+                compiled = self._compile(str(self.model_file), self.precision, folder)
+        self.compiled = compiled
         self.compile_s = time.perf_counter() - start
-        logger.info("OpenVINO %s on the CPU, %s, %d threads in %d stream(s): %s in %.1f s (%s)", openvino.__version__,
-                    precision, self.threads, self.streams, "loaded" if cached else "compiled", self.compile_s,
-                    cache if "CACHE_DIR" in config else "not cached: the folder is read-only")  # fmt: skip
         # one request per stream, started and waited for from this thread: no Python callback runs on OpenVINO's
         # threads. (An AsyncInferQueue's callback took the GIL on a stream's thread after wait_all() had returned;
         # destroying the compiled model, which holds the GIL and joins those threads, then waited forever: reproduced
@@ -414,6 +422,75 @@ class OpenVinoNetwork(torch.nn.Module):
         # never in a forked child (_keep_inherited_openvino)
         self._kept = (self.requests, self.compiled, _FORKS[0])
         _KEPT[id(self._kept)] = self._kept
+
+    @contextlib.contextmanager
+    def _cache_lock(self, precision: str) -> Iterator[Path | None]:
+        """The folder that keeps ``precision``'s compiled model (``<model_file>.openvino-<precision>/``), locked while
+        held: one process compiles, the others load its blob. None where it cannot be made (a read-only folder:
+        compiled each run, nothing kept)."""
+        folder = self.model_file.with_name(f"{self.model_file.name}.openvino-{precision}")
+        try:
+            folder.mkdir(exist_ok=True)
+            lock = open(f"{folder}.lock", "a")  # noqa: SIM115 -- closed below
+        except OSError:
+            yield None
+            return
+        with lock:
+            _exclusive(lock)
+            yield folder
+
+    def _int8(self, calibration: Calibration) -> Any:
+        """The int8 model compiled (:func:`scripts.int8.quantised`: quantised and checked against f32 once), or None
+        where it failed its check here: the network then runs f32 (:attr:`fallback` says why)."""
+        made: dict[str, Any] = {}
+
+        def compile_for_check(model: Any, precision: str) -> Any:  # f32 into f32's own folder, int8 into this one
+            if precision == "int8":
+                made["int8"] = self._compile(model, "int8", folder)
+            else:
+                with self._cache_lock("f32") as f32_folder:
+                    made["f32"] = self._compile(model, "f32", f32_folder)
+            return made[precision]
+
+        with self._cache_lock("int8") as folder:
+            try:
+                decided = int8.quantised(self.model_file, calibration, folder, compile_for_check)
+            except int8.QuantisationError as err:
+                raise BackendError(str(err)) from err
+            if decided.model is not None:
+                return made.get("int8") or self._compile(decided.model, "int8", folder)
+        self.precision, self.fallback = "f32", f"int8 refused by its check: {decided.check.describe()}"
+        return made.get("f32")
+
+    def _compile(self, model: Any, precision: str, folder: Path | None) -> Any:
+        """``model`` (a file, or a model in memory) compiled for this CPU in ``precision`` with this network's threads
+        and streams, its blob kept in ``folder`` (None: not kept). The log says whether it was compiled or loaded,
+        and in how many seconds."""
+        import openvino
+
+        # int8: the quantised layers run in int8, what stays unquantised in f32 (the CPUs int8 is for have no bf16)
+        config = {"INFERENCE_PRECISION_HINT": "f32" if precision == "int8" else precision,
+                  "INFERENCE_NUM_THREADS": self.threads}  # fmt: skip
+        if self.streams > 1:
+            config.update(PERFORMANCE_HINT="THROUGHPUT", NUM_STREAMS=self.streams)
+        else:
+            config.update(PERFORMANCE_HINT="LATENCY")
+        if folder is not None:
+            config["CACHE_DIR"] = str(folder)
+        start = time.perf_counter()
+        loaded = folder is not None and any(folder.glob("*.blob"))
+        try:
+            compiled = openvino.Core().compile_model(model, "CPU", config)
+        except Exception as err:  # OpenVINO raises its own exception types
+            raise BackendError(
+                f"{self.model_file}: OpenVINO cannot compile it ({str(err)[:300]}); delete it, "
+                f"{_sidecar(self.model_file).name} and {self.model_file.name}.openvino-*/, and run again to export it "
+                "anew."
+            ) from err
+        logger.info("OpenVINO %s on the CPU, %s, %d threads in %d stream(s): %s in %.1f s (%s)", openvino.__version__,
+                    precision, self.threads, self.streams, "loaded" if loaded else "compiled",
+                    time.perf_counter() - start, folder or "not cached: the folder is read-only")  # fmt: skip
+        return compiled
 
     def release(self) -> bool:
         """Destroy OpenVINO's objects now (a server replacing the weights it serves), unless this process has forked
@@ -445,73 +522,6 @@ class OpenVinoNetwork(torch.nn.Module):
     def extra_repr(self) -> str:
         return (f"model_file={self.model_file}, threads={self.threads}, streams={self.streams}, "
                 f"precision={self.precision}")  # fmt: skip
-
-
-#: the int8 model in its cache folder (OpenVINO IR: .xml and .bin) and the record of what it was quantised from
-INT8_MODEL, INT8_RECORD = "int8.xml", "int8.json"
-
-
-def quantized_model(model_file: Path, calibration: Calibration, folder: Path | None) -> Any:
-    """The ONNX export ``model_file`` quantised to int8 by NNCF (OpenVINO's post-training quantisation: activations'
-    ranges measured on ``calibration``'s windows, SmoothQuant and bias correction for the attention's products,
-    ``ModelType.TRANSFORMER``), kept in ``folder`` (``<model_file>.openvino-int8/``) as :data:`INT8_MODEL` with
-    :data:`INT8_RECORD` -- the calibration's key, the export's and the weights file's SHA-256 -- written last: the same
-    export and calibration load it (path returned), another calibration quantises again and clears the folder (its
-    compiled blobs came from the old model). ``folder`` None (read-only): quantised in memory each time (the model
-    returned). The caller holds the folder's lock. f48 on 16 windows: ~2 minutes on 2 cores (docs/performance.md)."""
-    try:
-        import nncf
-    except ImportError as err:  # an optional extra (requirements-int8.txt), not in metadata.json's requirements
-        raise BackendError(f"cpu_precision=int8 needs NNCF: {INT8_EXTRA}.") from err
-    import openvino
-
-    key, export_sha = calibration.key, _export_sha256(model_file)
-    if folder is not None:
-        xml, record_file = folder / INT8_MODEL, folder / INT8_RECORD
-        record = _read_json(record_file)
-        weights_file = xml.with_suffix(".bin")
-        if (record.get("calibration") == key and record.get("onnx_sha256") == export_sha and xml.is_file()
-                and weights_file.is_file() and file_sha256(weights_file) == record.get("bin_sha256")):  # fmt: skip
-            logger.info("int8: the model quantised on %s earlier (%s)", calibration.describe(), xml)
-            return str(xml)
-        for child in folder.iterdir():  # another calibration or export, or none: what was compiled from it goes too
-            shutil.rmtree(child) if child.is_dir() else child.unlink()
-    logger.info("int8: quantising %s on %s (NNCF %s; once per weights and calibration)", model_file.name,
-                calibration.describe(), nncf.__version__)  # fmt: skip
-    start = time.perf_counter()
-    windows = calibration.windows()
-    try:
-        model = nncf.quantize(openvino.Core().read_model(str(model_file)), nncf.Dataset(windows),
-                              model_type=nncf.ModelType.TRANSFORMER, subset_size=len(windows))  # fmt: skip
-    except Exception as err:  # NNCF raises its own and OpenVINO's exception types
-        raise BackendError(f"{model_file}: int8 quantisation failed ({type(err).__name__}: {str(err)[:300]}); use "
-                           "--cpu_precision f32 or auto.") from err  # fmt: skip
-    logger.info("int8: quantised in %.1f s on %d windows", time.perf_counter() - start, len(windows))
-    if folder is None:
-        return model
-    staging = folder / ".quantised"
-    staging.mkdir(exist_ok=True)
-    openvino.save_model(model, str(staging / INT8_MODEL))
-    os.replace(staging / weights_file.name, weights_file)
-    os.replace(staging / INT8_MODEL, xml)
-    staging.rmdir()
-    write_json(record_file, {"calibration": key, "describe": calibration.describe(), "onnx_sha256": export_sha,
-                             "bin_sha256": file_sha256(weights_file), "nncf": nncf.__version__,
-                             "windows": len(windows)})  # fmt: skip
-    return str(xml)
-
-
-def _export_sha256(model_file: Path) -> str:
-    """The export's SHA-256 as its sidecar recorded it (else hashed now: an ONNX file made elsewhere)."""
-    return _read_json(_sidecar(model_file)).get("onnx_sha256") or file_sha256(model_file)
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        found = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return found if isinstance(found, dict) else {}
 
 
 #: every network's OpenVINO objects (infer requests, compiled model, this process's fork count when made), kept for the
@@ -650,7 +660,7 @@ def _exclusive(handle: Any) -> None:
 
 
 def _cached_key(model_file: Path) -> str | None:
-    return _read_json(_sidecar(model_file)).get("key")
+    return read_json(_sidecar(model_file)).get("key")
 
 
 def _sidecar(model_file: Path) -> Path:

@@ -50,6 +50,8 @@ PHANTOM_SHAPE = (512, 512, 100)
 PHANTOM_SPACING = (0.9765625, 0.9765625, 3.0)
 #: windows taken from each CT: several CTs with a few windows each cover more anatomy than one CT's every window
 WINDOWS_PER_CASE = 4
+#: windows held out from calibration on which int8 is checked against f32 (:mod:`scripts.int8`)
+CHECK_WINDOWS = 8
 #: what of the sliding window shapes the windows besides their size, in the key
 INFERER_SETTINGS = ("spacing", "hu_window", "region", "margin_mm", "overlap")
 #: bump when the way windows are chosen changes: every quantised model is then calibrated again
@@ -76,6 +78,7 @@ class Calibration:
         preprocessing: Sequence[Callable] | str | Path,
         inferer: FallbackSlidingWindowInferer,
         out_channels: int = 2,
+        check_count: int = CHECK_WINDOWS,
     ) -> None:
         if int(count) < 1:
             raise CalibrationError(f"int8_calibration_windows={count}: at least one window is needed.")
@@ -83,10 +86,12 @@ class Calibration:
         self.count, self.window = int(count), [int(w) for w in inferer.roi_size]
         self.preprocessing, self.inferer = preprocessing, inferer
         self.out_channels = int(out_channels)
+        self.check_count = int(check_count)
         # the bundle's run (sliding_window_inferer) and MONAI Label (its inferer) give the same settings: one model
         self.settings = {name: getattr(inferer, name) for name in INFERER_SETTINGS}
         self._cases: list[dict] | None = None
         self._planned = 0  # the cases meant to give the windows; the others give what these lack
+        self._made: tuple[list[np.ndarray], list[np.ndarray]] | None = None  # calibration's and the check's
 
     def describe(self) -> str:
         where = "the chest phantom" if self.source is None else str(self.source)
@@ -116,15 +121,30 @@ class Calibration:
         """The windows, ``[1, 1, *window]`` float32 each: from each planned case (:meth:`cases`) its share of
         ``count``, spread evenly over the windows its sliding window runs (MONAI's order: along the last axis first);
         a case with fewer windows than its share leaves the rest to the next cases."""
-        cases = self.cases()
+        return self._make()[0]
+
+    def check_windows(self) -> list[np.ndarray]:
+        """``check_count`` windows that :meth:`windows` does not hold, on which int8 is checked against f32: the
+        windows of the calibration cases that calibration left, then the cases it did not need, then a datalist's
+        validation cases (held out from training as well), each case's spread evenly as calibration's are."""
+        return self._make()[1]
+
+    def _make(self) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        if self._made is not None:
+            return self._made
+        cases = self.cases() + _check_only_cases(self.source)
         inferer = copy.copy(self.inferer)  # what it records of a case (last, ...) is set on the copy, not the run's
         preprocessing = Compose(_ct_transforms(self.preprocessing))
         chosen: list[np.ndarray] = []
+        held: list[np.ndarray] = []
         for number, case in enumerate(cases):
-            missing = self.count - len(chosen)
-            if missing == 0:
+            missing, held_missing = self.count - len(chosen), self.check_count - len(held)
+            if number >= len(self.cases()):
+                missing = 0  # a case calibration may not see
+            if missing == 0 and held_missing <= 0:
                 break
-            share = math.ceil(missing / max(1, self._planned - number))
+            share = math.ceil(missing / max(1, self._planned - number)) if missing else 0
+            held_share = min(held_missing, math.ceil(self.check_count / max(1, self._planned)))
             # a phantom in memory, or a case read by inference's reader (which refuses a NIfTI label map as there)
             ct = case["ct"]() if "ct" in case else LoadCased("image")(case)["image"]
             image = preprocessing({"image": ct})["image"]
@@ -132,17 +152,24 @@ class Calibration:
             with torch.no_grad():
                 inferer(torch.as_tensor(image)[None], _Recorder(seen, self.out_channels))
             every = torch.cat(seen) if seen else torch.empty(0)
-            for i in _spread(every.shape[0], share):
-                chosen.append(every[i : i + 1].detach().to("cpu", torch.float32).contiguous().numpy())
-            logger.info("int8 calibration: %d of the %d windows of %s", min(share, every.shape[0]), every.shape[0],
-                        case["case_id"])  # fmt: skip
+            taken = _spread(every.shape[0], share) if share else []
+            rest = [i for i in range(every.shape[0]) if i not in set(taken)]
+            kept = [rest[i] for i in _spread(len(rest), held_share)] if held_share > 0 else []
+            chosen += [every[i : i + 1].detach().to("cpu", torch.float32).contiguous().numpy() for i in taken]
+            held += [every[i : i + 1].detach().to("cpu", torch.float32).contiguous().numpy() for i in kept]
+            logger.info("int8 calibration: %d of the %d windows of %s, %d held out for the check", len(taken),
+                        every.shape[0], case["case_id"], len(kept))  # fmt: skip
         if not chosen:
             raise CalibrationError(f"--int8_calibration {self.source}: no window of the network ran on its CTs; give "
                                    "another.")  # fmt: skip
         if len(chosen) < self.count:
             logger.warning("int8 calibration: %d windows, not %d: every window of every CT of %s", len(chosen),
                            self.count, self.source)  # fmt: skip
-        return chosen
+        if len(held) < self.check_count:
+            logger.warning("int8 check: %d held-out windows, not %d: %s holds no more windows that calibration did "
+                           "not take", len(held), self.check_count, self.source)  # fmt: skip
+        self._made = (chosen, held)
+        return self._made
 
 
 class _Recorder:
@@ -184,12 +211,10 @@ def _source_cases(source: Path | None) -> list[dict]:
                                "datalist.json, a folder of CTs, or null for the chest phantom.")  # fmt: skip
     if source.is_file() and source.suffix == ".json":
         try:
-            listed = json.loads(source.read_text())["training"]
+            cases = _listed(source, json.loads(source.read_text())["training"])
         except (OSError, ValueError, KeyError, TypeError) as err:
             raise CalibrationError(f"--int8_calibration {source}: not a datalist with a 'training' list "
                                    f"({err}).") from None  # fmt: skip
-        cases = [{"image": str((source.parent / item["image"]).resolve()), "case_id": str(item.get("case_id", i)),
-                  "source": "nifti"} for i, item in enumerate(listed)]  # fmt: skip
     else:
         try:
             cases = find_inputs(source)
@@ -199,6 +224,23 @@ def _source_cases(source: Path | None) -> list[dict]:
         raise CalibrationError(f"--int8_calibration {source}: no CT in it; give a training run's datalist.json, a "
                                "folder of CTs, or null for the chest phantom.")  # fmt: skip
     return sorted(cases, key=lambda case: str(case["case_id"]))
+
+
+def _check_only_cases(source: Path | None) -> list[dict]:
+    """A datalist's validation cases: held out from the weights' training, so from calibration too (none for another
+    source)."""
+    if source is None or not (source.is_file() and source.suffix == ".json"):
+        return []
+    try:
+        return _listed(source, json.loads(source.read_text()).get("validation") or [])
+    except (OSError, ValueError, AttributeError, KeyError, TypeError):
+        return []
+
+
+def _listed(datalist: Path, items: list[dict]) -> list[dict]:
+    """A datalist's items as inference's cases: the images prepare wrote, beside the datalist."""
+    return [{"image": str((datalist.parent / item["image"]).resolve()), "case_id": str(item.get("case_id", i)),
+             "source": "nifti"} for i, item in enumerate(items)]  # fmt: skip
 
 
 def _fingerprint(case: Mapping[str, Any]) -> list:

@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
+CPUINFO = Path("/proc/cpuinfo")
 
 
 def usable_cpus(root: Path = CGROUP_ROOT) -> int:
@@ -35,3 +36,39 @@ def cgroup_cpu_quota(root: Path = CGROUP_ROOT) -> float | None:
         return quota / period if quota > 0 and period > 0 else None
     except (OSError, ValueError):
         return None
+
+
+#: oneDNN's instruction-set levels that matter to the CPU runtimes' int8 and bf16, oldest first, as oneDNN names them
+#: (``ONEDNN_MAX_CPU_ISA`` takes these names and caps oneDNN at the one given: "this ISA and older")
+ISA_LEVELS = ("sse41", "avx2", "avx2_vnni", "avx512_core", "avx512_core_vnni", "avx512_core_bf16", "avx512_core_amx")
+#: the levels that sum int8 products in 32 bits (VNNI, AMX); below them int8 products are summed in pairs in 16 bits
+#: (``vpmaddubsw``), which saturates for large weights and activations
+INT8_VNNI = ("avx2_vnni", "avx512_core_vnni", "avx512_core_bf16", "avx512_core_amx")
+#: the levels that compute bf16 natively
+NATIVE_BF16 = ("avx512_core_bf16", "avx512_core_amx")
+
+
+def cpu_isa(cpuinfo: Path = CPUINFO, cap: str | None = None) -> str | None:
+    """The CPU's instruction-set level as oneDNN (inside OpenVINO and PyTorch) will use it: the newest of
+    :data:`ISA_LEVELS` that the CPU's flags hold, capped by ``ONEDNN_MAX_CPU_ISA`` (``cap``; oneDNN's own switch, so
+    a newer CPU runs, and this bundle judges, the kernels of an older one). None where the flags cannot be read (not
+    Linux): the caller then trusts the runtime's own report."""
+    try:
+        flags = set(cpuinfo.read_text().split())
+    except OSError:
+        return None
+    level = "sse41"
+    if "avx2" in flags:
+        level = "avx2_vnni" if "avx_vnni" in flags else "avx2"
+    if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
+        level = "avx512_core"
+        if "avx512_vnni" in flags:
+            level = "avx512_core_vnni"
+            if "avx512_bf16" in flags:
+                level = "avx512_core_bf16"
+                if {"amx_int8", "amx_bf16", "amx_tile"} <= flags:
+                    level = "avx512_core_amx"
+    cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "") if cap is None else cap
+    if cap.strip().lower() in ISA_LEVELS:
+        level = ISA_LEVELS[min(ISA_LEVELS.index(level), ISA_LEVELS.index(cap.strip().lower()))]
+    return level

@@ -128,6 +128,15 @@ def write_json(path: str | Path, data: Any, **kwargs: Any) -> Path:
     return write_text(path, json.dumps(data, indent=2, **kwargs) + "\n")
 
 
+def read_json(path: str | Path) -> dict:
+    """A JSON object from ``path``; ``{}`` where it is missing, unreadable or not an object (a record to make anew)."""
+    try:
+        found = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return {}
+    return found if isinstance(found, dict) else {}
+
+
 def save_nifti(path: str | Path, array: np.ndarray, affine: np.ndarray) -> Path:
     """A NIfTI with ``affine`` as both qform and sform (viewers and nibabel then agree on the geometry).
 

@@ -193,7 +193,7 @@ class RuntimeSlidingWindowInferer(FallbackSlidingWindowInferer):
         if backend not in CPU_BACKENDS:
             return network
         if self.runtime is None:
-            precision = resolve_precision(self.precision, backend)
+            precision = resolve_precision(self.precision, backend, self.calibration)
             calibration = self._calibration() if precision == "int8" else None
             self.runtime = WeightsRuntime(backend, self.weights, self.roi_size, self.cache_dir, self.threads, precision,
                                           calibration)  # fmt: skip

@@ -30,6 +30,7 @@ from scripts.backends import (
     onnx_file,
     onnx_network,
     openvino_network,
+    precision_in_force,
     prepare,
     resolve,
     resolve_precision,
@@ -91,9 +92,8 @@ def test_precision_auto_is_bf16_only_where_the_cpu_computes_it_natively(monkeypa
         resolve_precision("fp8", "openvino")
 
 
-def test_int8_is_openvinos_only_never_auto_and_without_nncf_names_the_extra_to_install(monkeypatch):
+def test_int8_is_openvinos_only_and_without_nncf_names_the_extra_to_install(monkeypatch):
     assert resolve_precision("INT8", "openvino") == "int8"
-    assert resolve_precision("auto", "openvino") in ("bf16", "f32"), "int8 is opt-in"
     with pytest.raises(BackendError, match="cpu_precision=int8 runs in OpenVINO, not onnxruntime"):
         resolve_precision("int8", "onnxruntime")
     monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None if name == "nncf" else object())
@@ -101,13 +101,49 @@ def test_int8_is_openvinos_only_never_auto_and_without_nncf_names_the_extra_to_i
         resolve_precision("int8", "openvino")
 
 
+def test_auto_is_int8_where_the_cpu_has_no_bf16_and_calibration_data_is_given_and_says_why(monkeypatch, caplog):
+    """On a CPU without native bf16, auto runs int8 when it has CTs to calibrate on (int8 then proves itself against
+    f32: scripts/int8.py), else f32 with the way to int8; on a CPU with bf16, bf16 whatever is given."""
+    caplog.set_level(logging.INFO, logger="scripts.backends")
+    monkeypatch.setattr("scripts.backends.native_bf16", lambda: False)
+    monkeypatch.setattr("scripts.backends.cpu_isa", lambda: "avx2")
+    assert resolve_precision("auto", "openvino", "/data/prepared/datalist.json") == "int8"
+    assert "auto: int8 in OpenVINO (no native bf16 on this CPU (avx2); int8 calibrated on /data/" in caplog.text
+    assert resolve_precision("auto", "openvino", None) == resolve_precision("auto", "openvino", "null") == "f32"
+    assert "int8 runs faster here: give --int8_calibration <a training run's datalist.json" in caplog.text
+    assert resolve_precision("auto", "onnxruntime", "/data/datalist.json") == "f32", "int8 is OpenVINO's only"
+    monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None if name == "nncf" else object())
+    assert resolve_precision("auto", "openvino", "/data/prepared/datalist.json") == "f32"
+    assert "and pip install -r requirements-int8.txt" in caplog.text
+    monkeypatch.setattr("scripts.backends.native_bf16", lambda: True)
+    assert resolve_precision("auto", "openvino", "/data/prepared/datalist.json") == "bf16"
+
+
+def test_a_cap_on_onednns_instruction_set_makes_the_cpu_one_without_bf16(monkeypatch):
+    """ONEDNN_MAX_CPU_ISA=AVX2 runs an AVX2 CPU's kernels on a newer one (docs/inference.md says what it reproduces):
+    the bundle then judges the CPU as it runs, without bf16 or VNNI."""
+    from scripts.cpus import cpu_isa
+
+    monkeypatch.setattr("scripts.backends.cpu_isa", lambda: "avx2")
+    native_bf16.cache_clear()
+    try:
+        assert not native_bf16()
+    finally:
+        native_bf16.cache_clear()
+    flags = Path("/proc/cpuinfo")
+    if flags.is_file() and "avx2" in flags.read_text().split():
+        assert cpu_isa(cap="AVX2") == "avx2" and cpu_isa(cap="avx512_core") in ("avx2", "avx2_vnni", "avx512_core")
+
+
 class Windows:
-    """A calibration as :class:`scripts.calibration.Calibration` is to the backend: a key, and windows when asked."""
+    """A calibration as :class:`scripts.calibration.Calibration` is to the backend: a key, and windows (calibration's
+    and the check's) when asked."""
 
     def __init__(self, key: str, seed: int = 0, count: int = 4) -> None:
-        self.key, self.asked = key, 0
+        self.key, self.asked, self.checked, self.count = key, 0, 0, count
         generator = torch.Generator().manual_seed(seed)
         self.made = [torch.rand(1, 1, *WINDOW, generator=generator).numpy() for _ in range(count)]
+        self.held_out = [torch.rand(1, 1, *WINDOW, generator=generator).numpy() for _ in range(3)]
 
     def describe(self) -> str:
         return f"{len(self.made)} test windows"
@@ -115,6 +151,10 @@ class Windows:
     def windows(self) -> list[np.ndarray]:
         self.asked += 1
         return self.made
+
+    def check_windows(self) -> list[np.ndarray]:
+        self.checked += 1
+        return self.held_out
 
 
 def test_int8_is_quantised_once_per_export_and_calibration_and_gives_the_f32_answer_within_its_rounding(tmp_path):
@@ -147,6 +187,44 @@ def test_int8_is_quantised_once_per_export_and_calibration_and_gives_the_f32_ans
     retrained, _ = saved(small_network(1), weights)
     onnx_network(retrained, weights, WINDOW)
     assert not folder.exists(), "quantised from the old export"
+
+
+def test_int8_is_checked_against_f32_once_per_cpu_kind_and_refused_int8_runs_f32_without_trying_again(
+    tmp_path, monkeypatch, caplog
+):
+    """The quantised model is run beside f32 on windows calibration never saw, on this CPU; one that fails the guard
+    is not used (the network runs f32 and says why, the reports say f32), and int8.json keeps the decision for this
+    CPU kind: the next run neither quantises nor checks again. Another CPU kind checks the same model anew."""
+    from scripts import int8
+
+    caplog.set_level(logging.INFO)
+    network, weights = saved(small_network(0), tmp_path / "model.pt")
+    folder = tmp_path / "model.pt.onnx.openvino-int8"
+    monkeypatch.setattr("scripts.int8.cpu_isa", lambda: "avx2")
+    monkeypatch.setitem(int8.GUARD, "agreement", 1.01)  # no model can pass: the refusal path
+    first = Windows("calibration-a")
+    refused = openvino_network(network, weights, WINDOW, precision="int8", calibration=first)
+    assert (refused.precision, first.asked, first.checked) == ("f32", 1, 1)
+    assert refused.fallback.startswith("int8 refused by its check: 3 held-out windows on avx2")
+    assert "int8 refused (now): it fails its guard against f32" in caplog.text
+    check = json.loads((folder / "int8.json").read_text())["checks"]["avx2"]
+    assert check["accepted"] is False and check["windows"] == 3 and 0.9 < check["agreement_min"] <= 1
+    x = torch.rand(2, 1, *WINDOW, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(refused(x), network(x), rtol=1e-4, atol=1e-4)  # f32's answer
+    assert precision_in_force(refused, "int8") == "f32 (int8 refused by its check)"
+    monkeypatch.setitem(int8.GUARD, "agreement", 0.9)  # a guard it would pass: the decision stands all the same
+    again = Windows("calibration-a")
+    assert openvino_network(network, weights, WINDOW, precision="int8", calibration=again).precision == "f32"
+    assert (again.asked, again.checked) == (0, 0) and "int8 refused (earlier)" in caplog.text
+    monkeypatch.setattr("scripts.int8.cpu_isa", lambda: "avx512_core_vnni")
+    other_cpu = Windows("calibration-a")
+    accepted = openvino_network(network, weights, WINDOW, precision="int8", calibration=other_cpu)
+    assert (accepted.precision, accepted.fallback, other_cpu.asked, other_cpu.checked) == ("int8", None, 0, 1)
+    assert precision_in_force(accepted, "int8") == "int8"
+    checks = json.loads((folder / "int8.json").read_text())["checks"]
+    assert checks["avx2"]["accepted"] is False and checks["avx512_core_vnni"]["accepted"] is True
+    assert "int8 proved against f32 (now): 3 held-out windows on avx512_core_vnni" in caplog.text
 
 
 CPU_BF16 = {"avx512_bf16", "amx_bf16"} & set(Path("/proc/cpuinfo").read_text().split())

@@ -45,8 +45,9 @@ def inferer() -> FallbackSlidingWindowInferer:
     return FallbackSlidingWindowInferer(WINDOW, 4, 0.25, region="body", spacing=(4.0, 4.0, 6.0))
 
 
-def every_window(path: Path) -> torch.Tensor:
-    """The windows the sliding window gives a network for this CT, recorded here by a network of our own."""
+def every_window(path: Path, window=None) -> torch.Tensor:
+    """The windows the sliding window (``window``: of another size) gives a network for this CT, recorded here by a
+    network of our own."""
     from scripts.inputs import load_case
 
     seen = []
@@ -56,7 +57,8 @@ def every_window(path: Path) -> torch.Tensor:
         return torch.zeros((x.shape[0], 2, *x.shape[2:]))
 
     image = PREPROCESSING[1](PREPROCESSING[0]({"image": load_case(path, "nifti")}))["image"]
-    inferer()(torch.as_tensor(image)[None], network)
+    sliding = inferer() if window is None else FallbackSlidingWindowInferer(window, 4, 0.25)
+    sliding(torch.as_tensor(image)[None], network)
     return torch.cat(seen)
 
 
@@ -133,3 +135,25 @@ def test_without_a_source_the_chest_phantom_goes_through_the_configs_own_preproc
     both = np.concatenate(windows)
     assert both.min() >= 0.0 and both.max() <= 1.0
     assert (both < 0.15).mean() > 0.05 and ((both > 0.6) & (both < 0.75)).mean() > 0.05, "lung and soft tissue"
+
+
+def test_the_checks_windows_are_held_out_from_calibration_and_a_datalist_adds_its_validation_cases(ct_folder, tmp_path):
+    """int8 is checked against f32 on windows calibration never saw: those its cases left, then a datalist's validation
+    cases (held out from training too), and never the test split."""
+    folder = Calibration(ct_folder, 4, PREPROCESSING, inferer(), check_count=4)
+    calibrated = {w.tobytes() for w in folder.windows()}
+    held = folder.check_windows()
+    assert len(held) == 4 and not calibrated & {w.tobytes() for w in held}
+    everything = {w[None].numpy().tobytes() for p in sorted(ct_folder.glob("*.nii.gz")) for w in every_window(p)}
+    assert {w.tobytes() for w in held} <= everything, "each held-out window is one inference runs"
+    datalist = tmp_path / "datalist.json"
+    datalist.write_text(json.dumps({
+        "training": [{"image": str(ct_folder / "case1.nii.gz"), "case_id": "train-1"}],
+        "validation": [{"image": str(ct_folder / "case0.nii.gz"), "case_id": "val-0"}],
+        "test": [{"image": str(ct_folder / "case2.nii.gz"), "case_id": "test-2"}]}))  # fmt: skip
+    big = (48, 48, 16)  # 36 windows in train-1: calibration asks more, so it takes every one of them
+    listed = Calibration(datalist, 64, PREPROCESSING, FallbackSlidingWindowInferer(big, 4, 0.25), check_count=8)
+    train = {w[None].numpy().tobytes() for w in every_window(ct_folder / "case1.nii.gz", big)}
+    val = {w[None].numpy().tobytes() for w in every_window(ct_folder / "case0.nii.gz", big)}
+    assert {w.tobytes() for w in listed.windows()} == train
+    assert len(val) > 8 and {w.tobytes() for w in listed.check_windows()} < val, "validation's windows, not test's"

@@ -30,3 +30,36 @@ def test_the_cgroup_cpu_quota_is_read_from_both_cgroup_versions(tmp_path, files,
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text)
     assert cpus.cgroup_cpu_quota(tmp_path) == quota
+
+
+AVX512_CORE = "avx2 avx512f avx512bw avx512vl avx512dq"
+
+
+@pytest.mark.parametrize(
+    ("flags", "cap", "isa"),
+    [
+        ("fma avx avx2", "", "avx2"),  # a Zen 3, a Haswell: int8 products summed in 16 bits
+        ("avx2 avx_vnni", "", "avx2_vnni"),  # an Alder Lake
+        (AVX512_CORE, "", "avx512_core"),  # a Skylake-SP: AVX-512 without VNNI
+        (AVX512_CORE + " avx512_vnni avx512_bf16", "", "avx512_core_bf16"),  # a Zen 4
+        (AVX512_CORE + " avx512_vnni avx512_bf16 amx_tile amx_int8 amx_bf16", "", "avx512_core_amx"),  # Sapphire R.
+        (AVX512_CORE + " avx512_vnni avx512_bf16", "AVX2", "avx2"),  # oneDNN's cap
+        (AVX512_CORE + " avx512_vnni avx512_bf16", "avx512_core", "avx512_core"),
+        ("avx2", "AVX512_CORE_AMX", "avx2"),  # a cap above the CPU changes nothing
+        ("avx2", "ALL", "avx2"),  # a cap this bundle does not rank is left to oneDNN
+        ("sse4_2", "", "sse41"),
+    ],
+)
+def test_the_cpus_instruction_set_level_is_its_flags_capped_as_onednn_caps_it(tmp_path, flags, cap, isa):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(f"processor\t: 0\nflags\t\t: fpu {flags}\n")
+    assert cpus.cpu_isa(cpuinfo, cap) == isa
+    assert (isa in cpus.INT8_VNNI) == (isa not in ("avx2", "avx512_core", "sse41"))
+
+
+def test_without_cpu_flags_the_level_is_unknown_and_the_runtime_decides(tmp_path, monkeypatch):
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert cpus.cpu_isa(tmp_path / "missing") is None
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("flags : avx2 avx512f avx512bw avx512vl avx512dq avx512_vnni\n")
+    assert cpus.cpu_isa(cpuinfo) == "avx2", "the environment's cap, as oneDNN reads it"
