@@ -8,11 +8,15 @@ at epoch k + 1 and ends at ``max_epochs`` having trained every epoch once.
 The file is written to a temporary sibling and renamed: a crash while saving leaves the previous checkpoint intact,
 never a truncated one (MONAI's ``CheckpointSaver`` writes in place). It holds only tensors and plain Python values and
 is loaded with ``torch.load(weights_only=True)``.
+
+:func:`warn_before_replacing` says, in a new training's first lines, which existing training state and weights it
+will replace, and what keeps each.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -132,15 +136,56 @@ def _load_into(obj: Any, state: Any) -> None:
         obj.load_state_dict(state)
 
 
-def final_line(state: Any, model_path: str | Path, output_dir: str | Path) -> str:
+def final_line(state: Any, model_path: str | Path, checkpoint_file: str | Path) -> str:
     """What training says last: the best validation Dice, its epoch and the weights file it wrote; or, when no
     validation ran (``val_interval`` past ``max_epochs``, no validation cases), that no weights file was written and
-    where the run's last state is."""
+    where the run's last state is (``checkpoint_file``)."""
     epoch = getattr(state, "best_metric_epoch", -1)
     if epoch is None or epoch < 1:
         return (
             f"no validation ran, so no best weights were written to {model_path}: check val_interval against "
-            f"max_epochs and that the run has validation cases; the last epoch's state is in "
-            f"{Path(output_dir) / 'checkpoints' / 'latest.pt'}"
+            f"max_epochs and that the run has validation cases; the last epoch's state is in {checkpoint_file}"
         )
     return f"best validation Dice {state.best_metric:.4f} at epoch {epoch}; weights: {model_path}"
+
+
+def warn_before_replacing(checkpoint_file: str | Path, model_path: str | Path, resume: bool | str) -> list[str]:
+    """Warn, in a new training's first lines, that it will replace another run's training state or weights.
+
+    A run that does not resume writes ``checkpoint_file`` after its first epoch and ``model_path`` at its first
+    validation: when those files already exist (a training of days in the same ``output_dir``, weights a user keeps
+    at the default ``model_path``), the user learns it before the slow steps, with the option that keeps each:
+    ``--resume true`` continues the training, another ``--model_path`` keeps the weights. Nothing is said when
+    resuming (the state is continued and the weights replaced only by better ones). Logs on the launcher's rank 0
+    only: the process group is joined later, so torchrun's ``RANK`` says which process this is. Returns the
+    warnings (empty: nothing would be replaced).
+    """
+    if as_bool(resume, "resume") or os.environ.get("RANK", "0") != "0":
+        return []
+    warnings = []
+    checkpoint_file, model_path = Path(checkpoint_file), Path(model_path)
+    if checkpoint_file.is_file():
+        epoch = saved_epoch(checkpoint_file)
+        state = f"the training state of epoch {epoch}" if epoch is not None else "a training state"
+        warnings.append(
+            f"{checkpoint_file} holds {state} of another run: this new run (resume false) replaces it after its "
+            "first epoch; stop now and pass --resume true to continue that run instead, or --output_dir to keep it."
+        )
+    if model_path.is_file():
+        warnings.append(
+            f"{model_path} holds weights this run did not train: it replaces them at its first validation; stop now "
+            "and pass --model_path <another file> to keep them."
+        )
+    for warning in warnings:
+        logger.warning(warning)
+    return warnings
+
+
+def saved_epoch(checkpoint_file: str | Path) -> int | None:
+    """The epoch saved in a :class:`TrainingCheckpoint` file, read through a memory map (no tensor is loaded), or
+    None when the file cannot be read as one (another program's file, a damaged one)."""
+    try:
+        state = torch.load(checkpoint_file, map_location="cpu", weights_only=True, mmap=True)
+        return int(state["trainer"]["epoch"])
+    except Exception:  # a notice: a file torch cannot read as a checkpoint is still named, without its epoch
+        return None

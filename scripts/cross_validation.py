@@ -10,10 +10,11 @@ The folds are those of prepare's datalist (each training case's ``fold``); the d
 does not exist, and never changed while the folds train. Fold k is ``monai.bundle run`` of the config files with
 ``--fold k --output_dir <output_dir>/fold_k --model_path <output_dir>/fold_k/model.pt --resume true`` plus every
 other ``--id value`` given here, in its own process (``--launcher "torchrun --standalone --nproc_per_node=8"`` runs
-it with DDP; add ``configs/multi_gpu_train.yaml`` to the configs). A fold whose checkpoint reached ``max_epochs`` is
-skipped; an interrupted one resumes from its last epoch. One fold per process or GPU: under ``torchrun
---nproc_per_node=N -m scripts.cross_validation run`` rank r trains folds r, r + N, ... on its own GPU and rank 0
-evaluates when all are done; in a SLURM array job, ``train`` trains fold ``$SLURM_ARRAY_TASK_ID`` (then ``evaluate``).
+it with DDP; add ``configs/multi_gpu_train.yaml`` to the configs: the evaluation, in this process, leaves it out). A
+fold whose checkpoint reached ``max_epochs`` is skipped; an interrupted one resumes from its last epoch. One fold per
+process or GPU: under ``torchrun --nproc_per_node=N -m scripts.cross_validation run`` rank r trains folds r, r + N,
+... on its own GPU and rank 0 evaluates when all are done; in a SLURM array job, ``train`` trains fold
+``$SLURM_ARRAY_TASK_ID`` (then ``evaluate``).
 
 Outputs under ``<output_dir>`` (default ``<the config's output_dir>/crossval``):
 
@@ -75,6 +76,8 @@ class Plan:
     keep: int  # keep_largest_components compared against the raw argmax (the config's value, at least 1)
     pictures: int
     parser: Any = field(repr=False, default=None)
+    # the files evaluation layers evaluate.yaml on, in this process: those of ``files`` that join no torchrun group
+    eval_files: list[str] = field(default_factory=list)
 
     def fold_dir(self, fold: int) -> Path:
         return self.root / f"fold_{fold}"
@@ -170,6 +173,10 @@ def evaluate(
     all_folds = fold_ids(datalist, folds, plan.datalist_file)
     for fold in all_folds:
         _check_finished(plan, fold)
+    left_out = [f for f in plan.files if f not in plan.eval_files]
+    if left_out:
+        logger.info("evaluating in this process without %s: they join a torchrun process group (distributed_setup), "
+                    "which only the folds' launcher starts", ", ".join(left_out))  # fmt: skip
     for fold in all_folds:
         evaluate_fold(plan, fold)
     summary = pool_out_of_fold(plan, datalist, all_folds)
@@ -206,7 +213,19 @@ def make_plan(config_file: str | Sequence[str], output_dir: str | None, override
         keep=max(int(parser.get_parsed_content("keep_largest_components") or 1), 1),
         pictures=int(overrides.get("eval_pictures", 5)),
         parser=parser,
+        eval_files=[str(f) for f in files if not joins_process_group(f)],
     )
+
+
+def joins_process_group(config_file: str | Path) -> bool:
+    """Whether a config file joins torchrun's process group: it sets ``distributed_setup`` (train.yaml leaves it
+    null; multi_gpu_train.yaml and multi_gpu_evaluate.yaml set it). The folds' trainings run such files under the
+    launcher; the evaluation runs in this process, which no launcher started, and leaves them out (with them it would
+    fail once every fold had trained: here there is no RANK or WORLD_SIZE). Read as written, nothing resolved."""
+    from monai.bundle import ConfigParser
+
+    content = ConfigParser.load_config_file(str(config_file))
+    return isinstance(content, dict) and content.get("distributed_setup") is not None
 
 
 def fold_ids(datalist: dict, folds: int | Sequence[int] | None, source: Path) -> list[int]:
@@ -333,11 +352,12 @@ def evaluate_fold(plan: Plan, fold: int) -> Path:
 
 
 def evaluate_in_process(plan: Plan, eval_dir: Path, **ids: Any) -> float:
-    """``evaluate.yaml`` over the plan's configs in this process (no start-up per run); returns its seconds.
-    A case that failed fails cross-validation, naming the report."""
+    """``evaluate.yaml`` over the plan's configs in this process (no start-up per run; those that join a torchrun
+    group left out: :func:`joins_process_group`); returns its seconds. A case that failed fails cross-validation,
+    naming the report."""
     from monai.bundle import ConfigWorkflow
 
-    files = [*plan.files, str(Path(plan.files[0]).parent / "evaluate.yaml")]
+    files = [*plan.eval_files, str(Path(plan.files[0]).parent / "evaluate.yaml")]
     settings = {**plan.overrides, "prepare_data": False, "download": False, "output_dir": str(eval_dir),
                 "eval_dir": str(eval_dir), **ids}  # fmt: skip
     start = time.perf_counter()

@@ -1,8 +1,9 @@
 """torch.profiler for the bundle's ignite trainer: chrome traces, key-average tables and a memory snapshot.
 
-Enabled by ``configs/profile.yaml``. The schedule ``[wait, warmup, active, repeat]`` is counted in **training
-iterations** (the original AMD scripts stepped the profiler once per epoch, so "active: 3" meant three epochs). For
-each completed cycle, under ``<output_dir>/profiler/``:
+Enabled by ``configs/profile.yaml``, whose training stops once the schedule's cycles are written
+(``stop_training``). The schedule ``[wait, warmup, active, repeat]`` is counted in **training iterations** (the
+original AMD scripts stepped the profiler once per epoch, so "active: 3" meant three epochs). For each completed
+cycle, under ``<output_dir>/profiler/``:
 
 * ``<step>-chrome_trace.json.gz`` -- open in https://ui.perfetto.dev or chrome://tracing, or summarise it with
   ``python -m scripts.summarize_trace``;
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -123,6 +125,9 @@ class ProfilerHandler:
         rank: this process's rank; only ``profile_ranks`` profile (default: rank 0).
         nvtx: also emit NVTX ranges (CUDA only).
         row_limit: rows of the key-averages table.
+        stop_training: end the training (``engine.terminate()``) once the ``repeat`` cycles are written, on every
+            rank at the same iteration (the iterations after them would only train, unmeasured); ``repeat`` must
+            then be at least 1.
     """
 
     def __init__(
@@ -138,10 +143,12 @@ class ProfilerHandler:
         profile_ranks: list[int] | str = (0,),
         nvtx: bool = False,
         row_limit: int = 40,
+        stop_training: bool = False,
     ) -> None:
-        if len(schedule) != 4 or any(int(v) < 0 for v in schedule) or int(schedule[2]) < 1:
-            raise ValueError(f"profiler_schedule={list(schedule)}: give [wait, warmup, active, repeat], active >= 1.")
+        self.steps = schedule_steps(schedule, stop_training)
         self.wait, self.warmup, self.active, self.repeat = (int(v) for v in schedule)
+        self.stop_training = stop_training
+        self.iterations = 0
         self.dir = Path(output_dir) / "profiler"
         self.rank = int(os.environ.get("RANK", 0)) if rank is None else int(rank)
         self.enabled = profile_ranks == "all" or self.rank in [int(r) for r in profile_ranks]
@@ -156,12 +163,13 @@ class ProfilerHandler:
 
     def attach(self, engine: Engine) -> None:
         self.markers.attach(engine)  # ranges cost nothing when no profiler is recording
-        if not self.enabled:
-            return
-        engine.add_event_handler(Events.STARTED, self.start)
-        engine.add_event_handler(Events.ITERATION_COMPLETED, self.step)
-        engine.add_event_handler(Events.COMPLETED, self.stop)
-        on_exception_first(engine, self.stop)  # the steps profiled before an error are written, then it propagates
+        if self.enabled:
+            engine.add_event_handler(Events.STARTED, self.start)
+            engine.add_event_handler(Events.ITERATION_COMPLETED, self.step)
+            engine.add_event_handler(Events.COMPLETED, self.stop)
+            on_exception_first(engine, self.stop)  # the steps profiled before an error are written, then it propagates
+        if self.stop_training:  # on every rank: DDP ranks that stopped apart would wait for each other forever
+            engine.add_event_handler(Events.ITERATION_COMPLETED, self._terminate_after_schedule)
 
     def start(self, _engine: Engine | None = None) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -196,6 +204,12 @@ class ProfilerHandler:
             if self.repeat and self.cycles >= self.repeat:
                 self.stop()
 
+    def _terminate_after_schedule(self, engine: Engine) -> None:
+        self.iterations += 1  # attached after step(): the last cycle's trace is written before the engine stops
+        if self.iterations >= self.steps:
+            logger.info("profiler: %d iterations profiled as scheduled, training stops", self.iterations)
+            engine.terminate()
+
     def stop(self, _engine: Engine | None = None, *_args) -> None:
         if self.profiler is not None:
             profiler, self.profiler = self.profiler, None
@@ -228,6 +242,22 @@ class ProfilerHandler:
             torch.cuda.memory._record_memory_history(enabled=None)
             self.written.append(path)
             logger.info("profiler: wrote the allocator history to %s", path)
+
+
+def schedule_steps(schedule: Sequence[int], stop_training: bool = True) -> int:
+    """The training iterations that ``[wait, warmup, active, repeat]`` spans (each cycle waits, warms up and records:
+    ``(wait + warmup + active) * repeat``; 0 for ``repeat`` 0, a profiler that runs until training ends, which a
+    run that stops after its schedule cannot use). Raises ValueError naming ``profiler_schedule`` otherwise."""
+    values = list(schedule)
+    if len(values) != 4 or any(int(v) < 0 for v in values) or int(values[2]) < 1:
+        raise ValueError(f"profiler_schedule={values}: give [wait, warmup, active, repeat], active >= 1.")
+    wait, warmup, active, repeat = (int(v) for v in values)
+    if stop_training and repeat < 1:
+        raise ValueError(
+            f"profiler_schedule={values}: repeat 0 profiles until training ends, but this run stops after its profiled "
+            "iterations; give repeat >= 1 (e.g. --profiler_schedule [2,2,4,1])."
+        )
+    return (wait + warmup + active) * repeat
 
 
 def key_average_rows(averages: Any) -> list[dict[str, Any]]:

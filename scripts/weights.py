@@ -104,8 +104,11 @@ def load_weights(
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(
-            f"{path}: no such weights file. Train first (configs/train.yaml writes the best weights there), fetch "
-            "published weights (large_files.yml), or point --model_path at your weights."
+            f"{path}: no such weights file, and this bundle publishes no trained weights. Train them: the README's "
+            "training command (`python -m monai.bundle run training --config_file configs/train.yaml --dataset_dir "
+            "<DICOM>`) writes models/model.pt, the demo (`--config_file "
+            "\"['configs/train.yaml','configs/demo.yaml']\"`) runs/demo/model.pt; or pass --model_path <weights "
+            "you have>."
         )
     sidecar = sidecar_of(path)
     if labels is not None and sidecar.is_file():

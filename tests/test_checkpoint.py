@@ -257,10 +257,34 @@ def test_the_last_line_names_the_weights_only_when_validation_wrote_them(tmp_pat
     from scripts.checkpoint import final_line
 
     validated = SimpleNamespace(best_metric=0.91664, best_metric_epoch=8)
-    assert final_line(validated, tmp_path / "model.pt", tmp_path) == (
+    assert final_line(validated, tmp_path / "model.pt", tmp_path / "checkpoints" / "latest.pt") == (
         f"best validation Dice 0.9166 at epoch 8; weights: {tmp_path / 'model.pt'}"
     )
     never = SimpleNamespace(best_metric=-1, best_metric_epoch=-1)
-    line = final_line(never, tmp_path / "model.pt", tmp_path)
+    line = final_line(never, tmp_path / "model.pt", tmp_path / "checkpoints" / "latest.pt")
     assert line.startswith(f"no validation ran, so no best weights were written to {tmp_path / 'model.pt'}")
     assert line.endswith(str(tmp_path / "checkpoints" / "latest.pt"))
+
+
+def test_a_new_run_names_the_state_and_weights_it_will_replace_and_what_keeps_each(tmp_path, monkeypatch, caplog):
+    """A run that does not resume warns for an existing checkpoint (with its epoch, read without the tensors) and
+    existing weights; a resumed run, another rank of a DDP launch, or an empty folder says nothing."""
+    from scripts.checkpoint import warn_before_replacing
+
+    monkeypatch.delenv("RANK", raising=False)
+    latest, weights = tmp_path / "checkpoints" / "latest.pt", tmp_path / "model.pt"
+    assert warn_before_replacing(latest, weights, False) == [], "nothing there yet"
+    Pipeline(init_seed=0, max_epochs=2, path=latest).run()
+    torch.save({"w": torch.zeros(1)}, weights)
+    with caplog.at_level(logging.WARNING, logger="scripts.checkpoint"):
+        checkpoint, model = warn_before_replacing(latest, weights, "false")
+    assert [r.getMessage() for r in caplog.records] == [checkpoint, model]
+    assert checkpoint.startswith(f"{latest} holds the training state of epoch 2 of another run")
+    assert "replaces it after its first epoch" in checkpoint and "--resume true" in checkpoint
+    assert model.startswith(f"{weights} holds weights this run did not train") and "--model_path" in model
+    assert warn_before_replacing(latest, weights, "true") == [], "resumed: the state is continued"
+    monkeypatch.setenv("RANK", "1")
+    assert warn_before_replacing(latest, weights, False) == [], "rank 0 of the launch says it once"
+    monkeypatch.setenv("RANK", "0")
+    latest.write_bytes(b"not a checkpoint")
+    assert warn_before_replacing(latest, weights, False)[0].startswith(f"{latest} holds a training state of another")

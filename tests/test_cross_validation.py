@@ -118,3 +118,36 @@ def test_the_summary_table_shows_folds_overall_the_decision_and_the_test_rows(tm
     assert "| all | 4 | 0.8000 | 0.8100 | 0.0500 |" in table
     assert "0.7900 raw, 0.8000 keeping the 1 largest" in table and "| ensemble + TTA | 2 | 16 | 1 |" in table
     json.dumps(summary)  # what summary.json holds is plain JSON
+
+
+def test_evaluation_in_this_process_leaves_out_the_configs_that_join_a_torchrun_group(tmp_path, monkeypatch):
+    """The folds train under the launcher with every config; the evaluation runs in this process, which no launcher
+    started: a config that sets distributed_setup (in YAML or JSON) is left out of it, one that leaves it null is
+    kept."""
+    from pathlib import Path
+
+    joining = sorted(p.name for p in (ROOT / "configs").glob("*.yaml") if cv.joins_process_group(p))
+    assert joining == ["multi_gpu_evaluate.yaml", "multi_gpu_train.yaml"]
+    own = tmp_path / "my_cluster.json"
+    own.write_text(json.dumps({"distributed_setup": "$@scripts.distributed.setup('gloo')", "max_epochs": 3}))
+    kept = tmp_path / "my_settings.yaml"
+    kept.write_text("distributed_setup: null\nmax_epochs: 3\n")
+    assert cv.joins_process_group(own) and not cv.joins_process_group(kept)
+    files = [str(ROOT / "configs" / n) for n in ("train.yaml", "demo.yaml", "multi_gpu_train.yaml")]
+    plan = cv.make_plan(str([*files, str(own), str(kept)]), str(tmp_path / "cv"), {})
+    assert plan.files == [*files, str(own), str(kept)], "the folds' trainings get every file"
+    assert plan.eval_files == [*files[:2], str(kept)]
+    given = []
+
+    class Workflow:  # what the evaluation hands to MONAI
+        def __init__(self, config_file, **_ids):
+            given.append(config_file)
+
+        def initialize(self):
+            pass
+
+        run = finalize = initialize
+
+    monkeypatch.setattr("monai.bundle.ConfigWorkflow", Workflow)
+    cv.evaluate_in_process(plan, tmp_path / "eval")
+    assert [Path(f).name for f in given[0]] == ["train.yaml", "demo.yaml", "my_settings.yaml", "evaluate.yaml"]

@@ -16,8 +16,12 @@ def small_net(out_channels: int = 2) -> SwinUNETR:
 
 
 def test_missing_weights_say_what_to_do(tmp_path):
-    with pytest.raises(FileNotFoundError, match="Train first"):
+    with pytest.raises(FileNotFoundError) as missing:
         load_weights(small_net(), tmp_path / "model.pt")
+    message = str(missing.value)
+    assert message.startswith(f"{tmp_path / 'model.pt'}: no such weights file, and this bundle publishes no trained")
+    assert "--config_file configs/train.yaml" in message and "runs/demo/model.pt" in message
+    assert "--model_path" in message and "large_files" not in message, "no published weights to fetch"
 
 
 def test_weights_for_another_number_of_structures_are_refused_by_name(tmp_path):

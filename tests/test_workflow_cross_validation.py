@@ -20,7 +20,7 @@ import highdicom as hd
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, configs
+from conftest import MECHANICS_NETWORK, ROOT, TINY_CASES, TINY_SHAPE, configs
 
 MAX_EPOCHS = 2
 # the demo network (as the issue asks), one patch per step, validation once at the end, one mirror axis for the TTA
@@ -203,3 +203,25 @@ def test_the_test_split_table_compares_fold_0_the_ensemble_and_the_ensemble_with
     assert [(r["models"], r["passes_per_window"], r["cases"]) for r in rows] == expected
     assert json.loads((cv / "cv" / "summary.json").read_text())["test"][2]["variant"] == "ensemble + TTA"
     assert "| ensemble + TTA | 2 | 4 | 1 |" in cross_validated["second"]
+
+
+def test_folds_trained_under_torchrun_with_multi_gpu_train_are_evaluated_in_this_process(tiny_data, tmp_path):
+    """docs/evaluation.md's DDP folds: each fold's training under torchrun with multi_gpu_train.yaml (one rank of gloo
+    here), then the out-of-fold evaluation in the CLI's own process, which torchrun did not start, without that file.
+    Mechanics only: the small network, one fold of the tiny cases (every fold is trained and evaluated alike; each
+    costs a torchrun start), one epoch."""
+    launcher = f"{sys.executable} -m torch.distributed.run --standalone --nproc_per_node=1"
+    command = [sys.executable, "-m", "scripts.cross_validation", "run", "--config_file",
+               configs("train.yaml", "demo.yaml", "multi_gpu_train.yaml"), "--launcher", launcher, "--folds", "1",
+               "--output_dir", str(tmp_path / "cv"), "--dataset_dir", str(tiny_data / "data"), "--prepared_dir",
+               str(tiny_data / "prepared"), "--demo_cases", str(TINY_CASES), "--demo_shape", str(list(TINY_SHAPE)),
+               "--network_def", MECHANICS_NETWORK, "--num_samples", "1", "--max_epochs", "1", "--val_interval", "1",
+               "--eval_pictures", "0", "--inference_backend", "torch", "--compare_test", "false"]  # fmt: skip
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:]
+    assert output.count("process group: rank 0 of 1, backend gloo") == 1, "the fold trained as a DDP rank"
+    multi_gpu = str(ROOT / "configs" / "multi_gpu_train.yaml")
+    assert f"evaluating in this process without {multi_gpu}: they join a torchrun process group" in output
+    summary = json.loads((tmp_path / "cv" / "cv" / "summary.json").read_text())
+    assert list(summary["per_fold"]) == ["1"] and summary["num_cases"] == 1

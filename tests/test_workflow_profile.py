@@ -1,8 +1,10 @@
-"""profile.yaml on a real (CPU) training run: files where documented, sections the summariser agrees on, and the
-GPU utilisation monitor finding an SMI tool on PATH."""
+"""profile.yaml on a real (CPU) training run: files where documented, sections the summariser agrees on, the GPU
+utilisation monitor finding an SMI tool on PATH, and a run that stops after its profiled iterations having written
+no weights and no training state."""
 
 from __future__ import annotations
 
+import ast
 import csv
 import gzip
 import json
@@ -10,7 +12,8 @@ import os
 import statistics
 
 import pytest
-from conftest import MECHANICS_NETWORK, bundle_run, configs, demo_args
+from conftest import MECHANICS_NETWORK, bundle_run, configs, demo_args, workflow_run
+from scripts.cli import bundle_error
 
 PROFILE = configs("train.yaml", "demo.yaml", "profile.yaml")
 
@@ -19,8 +22,11 @@ PROFILE = configs("train.yaml", "demo.yaml", "profile.yaml")
 def profiled(tmp_path_factory, tiny_data):
     demo_tmp = tiny_data
     tmp = tmp_path_factory.mktemp("profiled")
-    args = demo_args(tmp, config_file=PROFILE, max_epochs=1, dataset_dir=demo_tmp / "data",
-                     prepared_dir=demo_tmp / "prepared", network_def=MECHANICS_NETWORK)  # fmt: skip
+    # the trainer's own count of what it ran, read when the run ends
+    state = "{'iteration': @train#trainer.state.iteration, 'epoch': @train#trainer.state.epoch}"
+    finalize = f"$open({str(tmp / 'trainer.txt')!r}, 'w').write(str({state}))"
+    args = demo_args(tmp, config_file=PROFILE, dataset_dir=demo_tmp / "data", prepared_dir=demo_tmp / "prepared",
+                     network_def=MECHANICS_NETWORK, finalize=[finalize])  # fmt: skip
     # a stand-in nvidia-smi on PATH: the run's GPU utilisation monitor (on by default) must find and log it
     tools = tmp / "tools"
     tools.mkdir()
@@ -32,6 +38,34 @@ def profiled(tmp_path_factory, tiny_data):
         result = bundle_run(*args, "--profiler_schedule", "[0,1,2,1]")
     assert result.returncode == 0, result.stderr[-3000:]
     return tmp / "run" / "profiler", result
+
+
+def test_the_run_stops_after_its_profiled_iterations_and_writes_no_weights_nor_training_state(profiled):
+    folder, result = profiled
+    run = folder.parent
+    # wait 0 + warmup 1 + active 2, one cycle: three iterations, all in the first epoch of max_epochs' 1000
+    assert ast.literal_eval((run.parent / "trainer.txt").read_text()) == {"iteration": 3, "epoch": 1}
+    assert not (run / "model.pt").exists() and not (run / "checkpoints").exists()
+    assert not list(run.rglob("*.pt")), "no weights, no checkpoint"
+    assert result.stdout.splitlines()[-1] == f"profiled 3 training iterations: {run}/profiler"
+    assert "best validation Dice" not in result.stdout and "no validation ran" not in result.stdout
+
+
+def test_a_schedule_that_never_ends_is_refused_naming_profiler_schedule_before_any_data_is_read(tmp_path):
+    from scripts.profiler import ProfilerHandler, schedule_steps
+
+    assert schedule_steps([2, 2, 4, 1]) == 8 and schedule_steps([1, 0, 2, 3]) == 9
+    with pytest.raises(ValueError, match=r"profiler_schedule=\[0, 1, 2, 0\]: repeat 0 .* give repeat >= 1"):
+        ProfilerHandler(tmp_path, [0, 1, 2, 0], stop_training=True)
+    assert ProfilerHandler(tmp_path, [0, 1, 2, 0]).steps == 0, "without stop_training: profiled until training ends"
+    with pytest.raises(ValueError, match="active >= 1"):
+        schedule_steps([1, 1, 0, 1])
+    # the run: refused at its start, before prepare would read (and fail on) a dataset_dir that does not exist
+    args = demo_args(tmp_path, config_file=PROFILE, dataset_dir=tmp_path / "none", prepared_dir=tmp_path / "none")
+    with pytest.raises(Exception) as refused:
+        workflow_run(*args, "--profiler_schedule", "[0,1,2,0]")
+    assert "profiler_schedule=[0, 1, 2, 0]: repeat 0" in str(bundle_error(refused.value))
+    assert not (tmp_path / "none").exists() and not (tmp_path / "run").exists()
 
 
 def test_gpu_utilisation_is_logged_beside_the_run(profiled):
