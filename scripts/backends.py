@@ -104,10 +104,11 @@ def resolve(backend: str, device: torch.device | str) -> str:
 def resolve_precision(precision: str, backend: str, calibration: str | Path | None = None) -> str:
     """The precision the network runs in on a CPU. For OpenVINO ``auto`` is ``bf16`` where the CPU computes bf16
     natively (:func:`native_bf16`); elsewhere ``int8`` when ``calibration`` (``int8_calibration``: a training run's
-    datalist or a folder of CTs) is given and NNCF is installed -- int8 is 1.8x f32's speed on such CPUs
-    (docs/performance.md) and proves itself against f32 when it is made (:mod:`scripts.int8`), else ``f32``; the log
-    says which and why. ``bf16`` is refused on a CPU without it, and by ONNX Runtime and PyTorch, which run ``f32``
-    (the message says what to set); ``int8`` is OpenVINO's only, with NNCF installed."""
+    datalist or a folder of CTs, else the calibration set beside the weights) is given and NNCF is installed -- int8
+    is 1.8x f32's speed on such CPUs (docs/performance.md) and proves itself against f32 when it is made
+    (:mod:`scripts.int8`) -- else ``f32``; the log says which and why. ``bf16`` is refused on a CPU without it, and
+    by ONNX Runtime and PyTorch, which run ``f32`` (the message says what to set); ``int8`` is OpenVINO's only, with
+    NNCF installed."""
     name = str(precision).strip().lower()
     if name not in PRECISIONS:
         raise BackendError(f"cpu_precision={precision!r}: choose one of {', '.join(PRECISIONS)}.")
@@ -133,9 +134,9 @@ def resolve_precision(precision: str, backend: str, calibration: str | Path | No
             chosen, why = "int8", (f"{cpu}; int8 calibrated on {calibration} and checked against f32 once, f32 "
                                    "where it fails the check")  # fmt: skip
         else:
-            missing = "--int8_calibration <a training run's datalist.json or a folder of CTs>" + (
-                "" if nncf else f" and {int8.INT8_EXTRA}"
-            )
+            missing = ("--int8_calibration <a training run's datalist.json or a folder of CTs>, or keep the "
+                       "<weights>.calibration.npz training writes beside the weights")  # fmt: skip
+            missing += "" if nncf else f"; and {int8.INT8_EXTRA}"
             chosen, why = "f32", f"{cpu}; int8 runs faster here: give {missing}"
         logger.info("cpu_precision auto: %s in OpenVINO (%s)", chosen, why)
         return chosen

@@ -12,7 +12,11 @@ spread evenly over the region, are kept. Where they come from (``int8_calibratio
   effusion), built in memory: nothing to download, the same windows on every machine;
 * a training run's ``datalist.json`` -- its ``training`` cases (the images ``scripts.prepare`` wrote), the data the
   weights were trained on;
-* a folder -- the cases ``--input_dir`` would find in it (DICOM series, NIfTI files).
+* a folder -- the cases ``--input_dir`` would find in it (DICOM series, NIfTI files);
+* a calibration set (``.npz``) -- windows kept by :func:`write_set`: training writes one beside its weights
+  (``model.pt.calibration.npz``, windows of its training CTs and, for the check, of its validation CTs), and
+  :func:`source_for` takes it when ``int8_calibration`` names nothing, so weights handed to someone without the
+  training data still quantise on that data.
 
 :class:`Calibration` makes the windows only when asked (:meth:`Calibration.windows`: a quantisation that is cached
 never loads a CT) and names them by :attr:`Calibration.key` -- the source (each case's file names and sizes), the
@@ -27,6 +31,7 @@ import hashlib
 import json
 import logging
 import math
+import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -36,6 +41,7 @@ import torch
 from monai.data import MetaTensor
 from monai.transforms import Compose
 from monai.utils.enums import MetaKeys
+from scripts.files import file_sha256, replace_atomically
 from scripts.inputs import InferenceInputError, LoadCased, find_inputs
 
 if TYPE_CHECKING:
@@ -50,6 +56,8 @@ PHANTOM_SHAPE = (512, 512, 100)
 PHANTOM_SPACING = (0.9765625, 0.9765625, 3.0)
 #: windows taken from each CT: several CTs with a few windows each cover more anatomy than one CT's every window
 WINDOWS_PER_CASE = 4
+#: the calibration set beside a weights file (``model.pt`` -> ``model.pt.calibration.npz``)
+SET_SUFFIX = ".calibration.npz"
 #: windows held out from calibration on which int8 is checked against f32 (:mod:`scripts.int8`)
 CHECK_WINDOWS = 8
 #: what of the sliding window shapes the windows besides their size, in the key
@@ -98,11 +106,17 @@ class Calibration:
         return f"{self.count} windows of {'x'.join(map(str, self.window))} from {where}"
 
     @property
+    def is_set(self) -> bool:
+        """Whether the source is a calibration set (:func:`write_set`), its windows made already."""
+        return self.source is not None and self.source.name.endswith(".npz")
+
+    @property
     def key(self) -> str:
-        """What the windows depend on: the source's cases (names and file sizes), their number, the window and the
-        settings; the same key, the same windows."""
+        """What the windows depend on: the source's cases (names and file sizes) or a set's bytes, their number, the
+        window and the settings; the same key, the same windows."""
+        made = [file_sha256(self.source)] if self.is_set else [_fingerprint(case) for case in self.cases()]
         parts = {"version": VERSION, "count": self.count, "window": self.window, "settings": self.settings,
-                 "cases": [_fingerprint(case) for case in self.cases()]}  # fmt: skip
+                 "cases": made}  # fmt: skip
         return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
 
     def cases(self) -> list[dict]:
@@ -130,6 +144,8 @@ class Calibration:
         return self._make()[1]
 
     def _make(self) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        if self._made is None and self.is_set:
+            self._made = _read_set(self.source, self.window, self.count)
         if self._made is not None:
             return self._made
         cases = self.cases() + _check_only_cases(self.source)
@@ -170,6 +186,56 @@ class Calibration:
                            "not take", len(held), self.check_count, self.source)  # fmt: skip
         self._made = (chosen, held)
         return self._made
+
+
+def source_for(source: str | Path | None, weights: str | Path | None) -> str | None:
+    """What int8 calibrates on: ``source`` (``int8_calibration``) when it names one, else the calibration set beside
+    ``weights`` (``<weights>.calibration.npz``, :func:`write_set`) where there is one, else None (the chest phantom,
+    and ``cpu_precision: auto`` stays f32)."""
+    if source not in (None, "", "null"):
+        return str(source)
+    beside = Path(f"{weights}{SET_SUFFIX}") if weights not in (None, "") else None
+    return str(beside) if beside is not None and beside.is_file() else None
+
+
+def write_set(calibration: Calibration, weights: str | Path, state: Any = None) -> Path | None:
+    """``calibration``'s windows and its check's, as float16, into ``<weights>.calibration.npz`` (whole or not at
+    all), so that the weights travel with data to quantise on. ``state``: the run's evaluator state; nothing is
+    written when the run wrote no weights (it never validated). Returns the file, or None."""
+    if state is not None and (getattr(state, "best_metric_epoch", -1) or -1) < 1:
+        return None
+    start = time.perf_counter()
+    windows, held = calibration.windows(), calibration.check_windows()
+    path = Path(f"{weights}{SET_SUFFIX}")
+
+    empty = np.empty((0, 1, *calibration.window), np.float16)
+
+    def write(tmp: Path) -> None:
+        with open(tmp, "wb") as handle:  # a file object: numpy adds no .npz to the temporary name
+            np.savez_compressed(handle, windows=np.concatenate(windows).astype(np.float16),
+                                check=np.concatenate(held).astype(np.float16) if held else empty,
+                                source=np.array(calibration.describe()))  # fmt: skip
+
+    replace_atomically(path, write)
+    logger.info("int8 calibration set: %d windows and %d for the check, beside the weights in %.1f s (%.1f MB) -> %s",
+                len(windows), len(held), time.perf_counter() - start, path.stat().st_size / 1e6, path)  # fmt: skip
+    return path
+
+
+def _read_set(path: Path, window: Sequence[int], count: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """A calibration set's first ``count`` windows and its check's, float32, refused when they are not ``window``'s
+    shape (weights trained with another roi_size) or unreadable."""
+    try:
+        with np.load(path) as kept:
+            windows, held = kept["windows"], kept["check"]
+    except (OSError, ValueError, KeyError) as err:
+        raise CalibrationError(f"--int8_calibration {path}: not a calibration set ({err}); delete it, or give a "
+                               "training run's datalist.json or a folder of CTs.") from None  # fmt: skip
+    if tuple(windows.shape[2:]) != tuple(window):
+        raise CalibrationError(f"--int8_calibration {path}: its windows are {list(windows.shape[2:])}, the sliding "
+                               f"window is {list(window)}: give CTs instead (a datalist or a folder).")  # fmt: skip
+    as_list = lambda array: [a[None].astype(np.float32) for a in array]  # noqa: E731
+    return as_list(windows[:count]), as_list(held)
 
 
 class _Recorder:

@@ -193,7 +193,9 @@ class RuntimeSlidingWindowInferer(FallbackSlidingWindowInferer):
         if backend not in CPU_BACKENDS:
             return network
         if self.runtime is None:
-            precision = resolve_precision(self.precision, backend, self.calibration)
+            from scripts.calibration import source_for
+
+            precision = resolve_precision(self.precision, backend, source_for(self.calibration, self.weights))
             calibration = self._calibration() if precision == "int8" else None
             self.runtime = WeightsRuntime(backend, self.weights, self.roi_size, self.cache_dir, self.threads, precision,
                                           calibration)  # fmt: skip
@@ -203,11 +205,11 @@ class RuntimeSlidingWindowInferer(FallbackSlidingWindowInferer):
         """int8's calibration windows: from ``calibration`` (as ``int8_calibration``), through the CT preprocessing of
         ``config_file`` (the config this inferer is built from) and this sliding window (the recorder that stands in
         for the network is no module, so it runs as it is)."""
-        from scripts.calibration import Calibration
+        from scripts.calibration import Calibration, source_for
 
         if not self.config_file:
             raise ValueError("cpu_precision int8 in the inferer: give config_file, the config holding ct_transforms.")
-        return Calibration(self.calibration, self.calibration_windows, self.config_file, self)
+        return Calibration(source_for(self.calibration, self.weights), self.calibration_windows, self.config_file, self)
 
 
 class SameDeviced(MapTransform):

@@ -157,3 +157,30 @@ def test_the_checks_windows_are_held_out_from_calibration_and_a_datalist_adds_it
     val = {w[None].numpy().tobytes() for w in every_window(ct_folder / "case0.nii.gz", big)}
     assert {w.tobytes() for w in listed.windows()} == train
     assert len(val) > 8 and {w.tobytes() for w in listed.check_windows()} < val, "validation's windows, not test's"
+
+
+def test_a_calibration_set_beside_the_weights_travels_with_them_and_gives_the_same_windows(ct_folder, tmp_path):
+    """Training writes its windows beside its weights; int8_calibration naming nothing then takes that set, whose
+    windows are the CTs' to float16's rounding, with its held-out windows for the check; a set of another window
+    size is refused naming it; no weights written (no validation ran), no set."""
+    from types import SimpleNamespace
+
+    from scripts.calibration import SET_SUFFIX, source_for, write_set
+
+    weights = tmp_path / "model.pt"
+    assert source_for(None, weights) is None and source_for("null", weights) is None
+    made = Calibration(ct_folder, 6, PREPROCESSING, inferer(), check_count=3)
+    assert write_set(made, weights, SimpleNamespace(best_metric_epoch=-1)) is None
+    written = write_set(made, weights, SimpleNamespace(best_metric_epoch=2))
+    assert written == tmp_path / f"model.pt{SET_SUFFIX}" and source_for(None, weights) == str(written)
+    assert source_for(ct_folder, weights) == str(ct_folder), "a source named wins"
+    kept = Calibration(source_for(None, weights), 6, PREPROCESSING, inferer(), check_count=3)
+    assert kept.is_set and kept.key != made.key
+    for ours, theirs in ((kept.windows(), made.windows()), (kept.check_windows(), made.check_windows())):
+        assert len(ours) == len(theirs) and all(a.dtype == np.float32 for a in ours)
+        np.testing.assert_allclose(np.concatenate(ours), np.concatenate(theirs), atol=1e-3)
+    other = Calibration(written, 6, PREPROCESSING, FallbackSlidingWindowInferer((16, 16, 8), 4, 0.25))
+    with pytest.raises(
+        CalibrationError, match=r"model.pt.calibration.npz: its windows are \[32, 32, 16\], the sliding"
+    ):
+        other.windows()
