@@ -1,21 +1,33 @@
-# NSCLC-Radiomics SwinUNETR bundle. ROCm (AMD Instinct) by default; for NVIDIA:
-#   docker build --build-arg BASE_IMAGE=pytorch/pytorch:2.6.0-cuda12.4-cudnn9-runtime -t nsclc-swinunetr:cuda .
-#   docker build -t nsclc-swinunetr:rocm .
-# Run on one AMD GPU (pick it by its render node; see README "Docker"), or use docker-compose.yml:
+# NSCLC-Radiomics SwinUNETR bundle, with torch 2.13.0: the PyTorch the bundle's tests run with (docs/requirements.md).
+# NEVER BUILT: the project's machines have no container runtime, so neither this build nor a run of its image has been
+# tried (docs/training.md, "Docker"). torch comes from PyTorch's own index, in the build for your GPU (TORCH_INDEX); its
+# wheels carry their CUDA or ROCm libraries, so the base image needs only Python 3.11+ (the GPU driver is the host's).
+# Whether PyTorch's index holds torch 2.13.0 for the CUDA or ROCm version you pick was not checked either
+# (https://download.pytorch.org/whl/torch/ lists them):
+#   docker build -t nsclc-swinunetr:cuda .                                                       # NVIDIA, CUDA 13.0
+#   docker build --build-arg TORCH_INDEX=https://download.pytorch.org/whl/rocm6.4 -t nsclc-swinunetr:rocm .   # AMD
+#   docker build --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cpu -t nsclc-swinunetr:cpu .        # CPU
+# Run on one NVIDIA GPU, or on one AMD GPU (pick it by its render node; see docs/training.md "Docker"), or use
+# docker-compose.yml:
+#   docker run --rm -it --gpus '"device=0"' --ipc=host -v /data/tcia:/data/tcia \
+#     -v $PWD/runs:/workspace/bundle/runs nsclc-swinunetr:cuda
 #   docker run --rm -it --device=/dev/kfd --device=/dev/dri/renderD128 --group-add video \
 #     --ipc=host -v /data/tcia:/data/tcia -v $PWD/runs:/workspace/bundle/runs nsclc-swinunetr:rocm
-ARG BASE_IMAGE=rocm/pytorch:rocm6.4.1_ubuntu24.04_py3.12_pytorch_release_2.6.0
+ARG BASE_IMAGE=python:3.11-slim
 FROM ${BASE_IMAGE}
+ARG TORCH_VERSION=2.13.0
+ARG TORCH_INDEX=https://download.pytorch.org/whl/cu130
 
 # MIOpen/TunableOp settings are NOT baked in here: scripts/accelerator.py sets them from the config
 # (miopen_find_mode 1, miopen_find_enforce 3, a persistent MIOpen DB under <output_dir>/miopen -- mount runs/ as a
 # volume and tuning is paid once). A value exported with `docker run -e MIOPEN_...` still wins, and
 # <output_dir>/device_report.json records which values were in force.
-ENV PIP_BREAK_SYSTEM_PACKAGES=1 \
-    PYTHONUNBUFFERED=1
+ENV PYTHONUNBUFFERED=1
 
 WORKDIR /workspace/bundle
-# requirements first: the layer is rebuilt only when they change; torch comes from the base image
+# torch first, from the index of the build asked for, so that requirements' torch>=2.4 is already satisfied; then the
+# requirements (this layer is rebuilt only when they change)
+RUN python -m pip install --no-cache-dir torch==${TORCH_VERSION} --index-url ${TORCH_INDEX}
 COPY requirements.txt .
 RUN python -m pip install --no-cache-dir -r requirements.txt
 COPY . .

@@ -7,7 +7,11 @@
   are not checked), and every ``scripts.<module>`` they name is a module of the bundle;
 * every link between the pages resolves, to a file and to a heading;
 * the README stays a front page: at most 200 lines, two quick-start commands, the second the one CI runs, each time it
-  quotes the one in ``docs/performance.md``.
+  quotes the one in ``docs/performance.md``, and it links the requirements page before its quick start ends;
+* every page and section that a page, a config's comment, the Dockerfile or a requirements file points to exists
+  (``docs/training.md "Docker"``, ``README, "X"``, ``docs/x.md#anchor``);
+* each config default a page states is the config's (a table below), and so is the CPU's cap of ``num_workers: auto``
+  and the GPU kit's default budget.
 
 ``CHANGELOG.md`` and the GPU runs' folders are history: only their links are checked.
 """
@@ -273,3 +277,146 @@ def test_the_quick_start_quotes_the_times_measured_in_performance_md():
     table = performance.split("### The quick start", 1)[1].split("\n### ", 1)[0]
     for time in times:
         assert time in table, f"the README quotes {time}, docs/performance.md's quick-start table does not"
+
+
+def test_the_readme_links_the_requirements_page_before_its_quick_start_ends():
+    """What the bundle needs and what has been tested is one click from the README's first screen."""
+    readme = (ROOT / "README.md").read_text()
+    first_screen = readme.split("\n## Quick start\n", 1)[0] + quick_start()
+    assert "(docs/requirements.md" in first_screen
+    table = readme.split("\n## Documentation\n", 1)[1]
+    assert "[docs/requirements.md](docs/requirements.md)" in table
+
+
+# files whose comments point to pages: the configs, the Docker files, the requirements files, pyproject.toml
+POINTING = [*sorted((ROOT / "configs").glob("*.yaml")), ROOT / "Dockerfile", ROOT / "docker-compose.yml",
+            *sorted(ROOT.glob("requirements*.txt")), ROOT / "pyproject.toml"]  # fmt: skip
+# `README "Docker"`, `(README, "MONAI Label / 3D Slicer")`, `docs/training.md "Docker"`, `docs/monailabel.md, "Install"`
+SECTION = re.compile(r'(?<![\w/.-])(README|(?:docs/)?[\w-]+\.md)(?:,\s*|\s+)"([^"]+)"')
+PAGE = re.compile(r"(?<![\w/.-])(docs/[\w-]+\.md)(?:#([\w-]+))?")
+
+
+def headings(page: Path) -> set[str]:
+    return {h.strip().lower() for h in re.findall(r"^#{1,6} (.+)$", FENCE.sub("", page.read_text()), re.M)}
+
+
+def pointed_page(name: str, where: Path) -> Path:
+    """The page a reference names: README is the repository's; ``x.md`` is beside the file, else under ``docs/``."""
+    if name == "README":
+        return ROOT / "README.md"
+    for base in (ROOT, where.parent, ROOT / "docs"):
+        if (base / name).is_file():
+            return base / name
+    return ROOT / name
+
+
+def test_every_page_and_section_a_comment_or_page_points_to_exists():
+    """A config's comment, the Docker files, the requirements files and the pages name pages (``docs/x.md``,
+    ``docs/x.md#anchor``) and sections (``docs/training.md "Docker"``, ``README, "X"``): each page exists and each
+    section is one of its headings, so a moved section fails here rather than sending a reader nowhere."""
+    broken = []
+    for path in POINTING + PAGES:
+        text = path.read_text()
+        # a page's fenced code is left out; a comment continued on the next line is one sentence
+        text = FENCE.sub("", text) if path.suffix == ".md" else re.sub(r"\n[ \t]*#+[ \t]?", " ", text)
+        text = re.sub(r"\s+", " ", text)
+        where = path.relative_to(ROOT)
+        for name, section in SECTION.findall(text):
+            page = pointed_page(name, path)
+            if not page.is_file():
+                broken.append(f"{where}: {name} does not exist")
+            elif section.strip().lower() not in headings(page):
+                broken.append(f'{where}: {name} has no section "{section}"')
+        if path.suffix == ".md":
+            continue  # a page's own links are checked by test_every_link_between_the_pages_resolves
+        for name, anchor in PAGE.findall(text):
+            page = ROOT / name
+            if not page.is_file():
+                broken.append(f"{where}: {name} does not exist")
+            elif anchor and anchor not in anchors(page):
+                broken.append(f"{where}: {name} has no heading #{anchor}")
+    assert not broken, "\n".join(broken)
+
+
+# (page, what the page says, the config that holds the value, {id: value}): a default the docs state in words
+STATED_DEFAULTS = [
+    ("docs/training.md", "| epochs | 300, validation every 5 (sliding window 96^3, overlap 0.25,", "train.yaml",
+     {"max_epochs": 300, "val_interval": 5, "roi_size": [96, 96, 96], "sw_overlap": 0.25}),
+    ("docs/README.md", "| epochs | 300, validation every 5 (sliding window 96^3, overlap 0.25,", "train.yaml",
+     {"max_epochs": 300, "val_interval": 5, "roi_size": [96, 96, 96], "sw_overlap": 0.25}),
+    ("docs/training.md", "| patch | 96 x 96 x 96 voxels, `num_samples` 4 per volume", "train.yaml",
+     {"roi_size": [96, 96, 96], "displayable_configs#num_samples": 4}),
+    ("docs/README.md", "| patch | 96 x 96 x 96 voxels, `num_samples` 4 per volume", "train.yaml",
+     {"roi_size": [96, 96, 96], "displayable_configs#num_samples": 4}),
+    ("docs/training.md", "| optimiser | AdamW, lr 1e-4, weight decay 1e-5, 5-epoch warm-up", "train.yaml",
+     {"learning_rate": 1e-4, "weight_decay": 1e-5, "warmup_epochs": 5}),
+    ("docs/README.md", "| optimiser | AdamW, lr 1e-4, weight decay 1e-5, 5-epoch warm-up", "train.yaml",
+     {"learning_rate": 1e-4, "weight_decay": 1e-5, "warmup_epochs": 5}),
+    ("docs/training.md", "| network | SwinUNETR, feature size 48", "train.yaml", {"feature_size": 48}),
+    ("docs/training.md", "| preprocessing | RAS, 1 x 1 x 3 mm, crop to the body (HU > -500), HU window [-1000, 500]",
+     "train.yaml", {"spacing": [1.0, 1.0, 3.0], "body_hu": -500, "hu_window": [-1000, 500]}),
+    ("docs/training.md", "| `cache` | `auto` |", "train.yaml", {"cache": "auto"}),
+    ("docs/training.md", "| `num_workers` | `auto` |", "train.yaml", {"num_workers": "auto"}),
+    ("docs/training.md", "| `compile`, `compile_scope` | `auto`, `regional` |", "train.yaml",
+     {"compile": "auto", "compile_scope": "regional"}),
+    ("docs/training.md", "| `cuda_graphs` | `true` |", "train.yaml", {"cuda_graphs": True}),
+    ("docs/training.md", "| `num_samples` | 4 |", "train.yaml", {"displayable_configs#num_samples": 4}),
+    ("docs/training.md", "a small network (feature size 12), 8 epochs", "demo.yaml",
+     {"feature_size": 12, "max_epochs": 8}),
+    ("docs/data.md", "`split_seed` (0) in `train.yaml`", "train.yaml", {"split_seed": 0}),
+    ("docs/data.md", "`test_fraction` (10 %) test, `val_fraction` (20 %) validation, the rest training in `num_folds` "
+     "(5) folds", "train.yaml", {"test_fraction": 0.1, "val_fraction": 0.2, "num_folds": 5}),
+    ("docs/monailabel.md", "`batch_size` (1) volume x `num_samples` (4) patches", "train.yaml",
+     {"batch_size": 1, "displayable_configs#num_samples": 4}),
+    ("docs/monailabel.md", "validation runs every `val_interval` (5) epochs", "train.yaml", {"val_interval": 5}),
+    ("docs/inference.md", "a volume above `max_volume_ml` (1000 ml), more than `max_components` separate pieces (10), "
+     "or filling more than `max_border_fraction` (50 %)", "inference.yaml",
+     {"plausible_gtv#max_volume_ml": 1000, "plausible_gtv#max_components": 10,
+      "plausible_gtv#max_border_fraction": 0.5}),
+    ("docs/inference.md", "grown by `roi_region_margin_mm` (30 mm in plane, 40 mm above and below)", "train.yaml",
+     {"roi_region_margin_mm": [30, 30, 40]}),
+    ("docs/evaluation.md", "`surface_dice_tolerance_mm` (3 mm, one slice thickness)", "train.yaml",
+     {"surface_dice_tolerance_mm": 3.0}),
+    ("docs/evaluation.md", "`tta_axes` (default `[0,1,2]`", "train.yaml", {"tta_axes": [0, 1, 2]}),
+    ("docs/profiling.md", "8 with the default `[2, 2, 4, 1]`", "profile.yaml", {"profiler_schedule": [2, 2, 4, 1]}),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("page, words, config, values", STATED_DEFAULTS, ids=lambda v: v if isinstance(v, str) else "")
+def test_each_default_a_page_states_is_the_configs(page, words, config, values):
+    """The page says the words, and the config holds each value they state: a default changed in a config (or in the
+    words) fails here until both agree."""
+    import yaml
+
+    text = re.sub(r"\s+", " ", (ROOT / page).read_text())
+    assert re.sub(r"\s+", " ", words) in text, f"{page} no longer says: {words}"
+    content = yaml.safe_load((ROOT / "configs" / config).read_text())
+    for key, value in values.items():
+        held = content
+        for part in key.split("#"):
+            held = held[part]
+        assert held == value, f"{page} says {key} is {value!r}; configs/{config} holds {held!r}"
+
+
+def test_num_workers_auto_on_a_cpu_is_the_usable_cpus_less_one_at_most_4(monkeypatch):
+    """docs/training.md: ``num_workers: auto`` is the usable CPUs less one, at most 4 on a CPU (not on a GPU)."""
+    import scripts.data
+
+    text = re.sub(r"\s+", " ", (ROOT / "docs" / "training.md").read_text())
+    assert "the usable CPUs less one, at most 4 on a CPU" in text
+    monkeypatch.setattr(scripts.data, "usable_cpus", lambda: 64)
+    assert scripts.data.loader_workers("auto", "cpu") == 4
+    assert scripts.data.loader_workers("auto", "cuda") == 63
+    monkeypatch.setattr(scripts.data, "usable_cpus", lambda: 3)
+    assert scripts.data.loader_workers("auto", "cpu") == 2
+
+
+def test_the_gpu_kits_budget_is_the_one_the_readme_states():
+    """The README: the kit's ``--budget_s`` is 450 s by default (read from ``benchmarks/gpu_proof.py``'s ``main``)."""
+    tree = ast.parse((ROOT / "benchmarks" / "gpu_proof.py").read_text())
+    main = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main")
+    names = [a.arg for a in main.args.args]
+    defaults = dict(zip(names[len(names) - len(main.args.defaults) :], main.args.defaults))
+    budget = ast.literal_eval(defaults["budget_s"])
+    readme = re.sub(r"\s+", " ", (ROOT / "README.md").read_text())
+    assert f"`--budget_s`, {budget:g} s by default" in readme

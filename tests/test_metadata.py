@@ -147,3 +147,64 @@ def test_framework_versions_are_the_ones_requirements_install(meta, root):
     pins = dict(re.findall(r"^([A-Za-z0-9_.-]+)==(\S+)", (root / "requirements.txt").read_text(), re.M))
     assert meta["numpy_version"] == pins["numpy"] == version("numpy")
     assert meta["pytorch_version"] in version("torch")
+
+
+def pyproject(root) -> dict:
+    import tomllib
+
+    return tomllib.loads((root / "pyproject.toml").read_text())["project"]
+
+
+def lowest_python(requires: str) -> tuple[int, int]:
+    """The lowest Python 3 minor release a ``Requires-Python`` specifier admits (``>=3.11`` -> (3, 11))."""
+    from packaging.specifiers import SpecifierSet
+
+    spec = SpecifierSet(requires or "")
+    return next((3, minor) for minor in range(0, 40) if spec.contains(f"3.{minor}.0") or spec.contains(f"3.{minor}.99"))
+
+
+def test_pyproject_carries_the_bundles_version(meta, root):
+    """pyproject.toml's version is metadata.json's: one version for the bundle, whichever file a tool reads."""
+    assert pyproject(root)["version"] == meta["version"]
+
+
+def test_requires_python_is_the_lowest_python_every_pin_supports(root):
+    """requires-python's lower bound is the highest of the lowest Pythons the pinned packages of requirements.txt
+    declare (their installed distributions' ``Requires-Python``): not lower, which a pin would refuse to install on,
+    nor higher than the pins ask for."""
+    from importlib.metadata import PackageNotFoundError, metadata
+
+    pins = dict(re.findall(r"^([A-Za-z0-9_.-]+)==(\S+)", (root / "requirements.txt").read_text(), re.M))
+    needs = {}
+    for package, pinned in pins.items():
+        try:
+            installed = metadata(package)
+        except PackageNotFoundError:
+            continue
+        assert installed["Version"] == pinned, f"{package}: {installed['Version']} installed, {pinned} pinned"
+        needs[package] = lowest_python(installed.get("Requires-Python") or "")
+    assert {"numpy", "scipy"} <= set(needs), sorted(needs)
+    bound = lowest_python(pyproject(root)["requires-python"])
+    highest = max(needs.values())
+    assert bound == highest, (bound, {p: v for p, v in needs.items() if v == highest})
+
+
+def test_the_requirements_page_states_the_python_pyproject_requires(root):
+    """docs/requirements.md gives the lowest Python as pyproject.toml's requires-python does."""
+    major, minor = lowest_python(pyproject(root)["requires-python"])
+    page = (root / "docs" / "requirements.md").read_text()
+    assert f"Python {major}.{minor} or later" in page
+    assert re.findall(r"Python (3\.\d+)\+", (root / "README.md").read_text()) == [f"{major}.{minor}"]
+
+
+def test_every_torch_the_docs_and_install_files_install_is_the_one_the_bundle_is_tested_with(meta, root):
+    """Each ``torch==X`` of the README, the pages, the requirements files and the Dockerfile (and its
+    ``TORCH_VERSION``) is metadata.json's ``pytorch_version``, the release CI tests with."""
+    files = [root / "README.md", *sorted((root / "docs").glob("*.md")), *sorted(root.glob("requirements*.txt")),
+             root / "Dockerfile", root / "docker-compose.yml"]  # fmt: skip
+    found = {}
+    for path in files:
+        text = path.read_text()
+        for torch in re.findall(r"torch==([\w.+]+)", text) + re.findall(r"TORCH_VERSION=([\w.+]+)", text):
+            found.setdefault(torch, []).append(path.name)
+    assert found and set(found) == {meta["pytorch_version"]}, found
