@@ -130,6 +130,8 @@ def resolve_precision(precision: str, backend: str, calibration: str | Path | No
         cpu = f"no native bf16 on this CPU ({cpu_isa() or 'unknown'})"
         if native_bf16():
             chosen, why = "bf16", "the CPU computes bf16 natively"
+        elif calibration not in (None, "", "null") and not Path(calibration).exists():
+            chosen, why = "f32", f"{cpu}; int8_calibration {calibration} does not exist: give CTs to calibrate on"
         elif calibration not in (None, "", "null") and nncf:
             chosen, why = "int8", (f"{cpu}; int8 calibrated on {calibration} and checked against f32 once, f32 "
                                    "where it fails the check")  # fmt: skip

@@ -189,13 +189,21 @@ class Calibration:
 
 
 def source_for(source: str | Path | None, weights: str | Path | None) -> str | None:
-    """What int8 calibrates on: ``source`` (``int8_calibration``) when it names one, else the calibration set beside
-    ``weights`` (``<weights>.calibration.npz``, :func:`write_set`) where there is one, else None (the chest phantom,
-    and ``cpu_precision: auto`` stays f32)."""
-    if source not in (None, "", "null"):
-        return str(source)
+    """What int8 calibrates on: ``source`` (``int8_calibration``) when it names one that exists; else the calibration
+    set beside ``weights`` (``<weights>.calibration.npz``, :func:`write_set`) where there is one -- also in place of a
+    named source that does not exist (demo.yaml names the demo's datalist under the bundle, which weights run
+    elsewhere may not have), said in the log; else ``source`` as named (a missing one is refused when int8 is made)
+    or None (the chest phantom, and ``cpu_precision: auto`` stays f32)."""
+    named = None if source in (None, "", "null") else str(source)
+    if named is not None and Path(named).exists():
+        return named
     beside = Path(f"{weights}{SET_SUFFIX}") if weights not in (None, "") else None
-    return str(beside) if beside is not None and beside.is_file() else None
+    if beside is not None and beside.is_file():
+        if named is not None:
+            logger.warning("int8_calibration %s does not exist: the calibration set beside the weights is used (%s)",
+                           named, beside)  # fmt: skip
+        return str(beside)
+    return named
 
 
 def write_set(calibration: Calibration, weights: str | Path, state: Any = None) -> Path | None:

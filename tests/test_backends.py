@@ -102,22 +102,28 @@ def test_int8_is_openvinos_only_and_without_nncf_names_the_extra_to_install(monk
         resolve_precision("int8", "openvino")
 
 
-def test_auto_is_int8_where_the_cpu_has_no_bf16_and_calibration_data_is_given_and_says_why(monkeypatch, caplog):
+def test_auto_is_int8_where_the_cpu_has_no_bf16_and_calibration_data_is_given_and_says_why(
+    monkeypatch, caplog, tmp_path
+):
     """On a CPU without native bf16, auto runs int8 when it has CTs to calibrate on (int8 then proves itself against
     f32: scripts/int8.py), else f32 with the way to int8; on a CPU with bf16, bf16 whatever is given."""
     caplog.set_level(logging.INFO, logger="scripts.backends")
     monkeypatch.setattr("scripts.backends.native_bf16", lambda: False)
     monkeypatch.setattr("scripts.backends.cpu_isa", lambda: "avx2")
-    assert resolve_precision("auto", "openvino", "/data/prepared/datalist.json") == "int8"
-    assert "auto: int8 in OpenVINO (no native bf16 on this CPU (avx2); int8 calibrated on /data/" in caplog.text
+    datalist = tmp_path / "datalist.json"
+    datalist.write_text("{}")
+    assert resolve_precision("auto", "openvino", str(datalist)) == "int8"
+    assert f"auto: int8 in OpenVINO (no native bf16 on this CPU (avx2); int8 calibrated on {datalist}" in caplog.text
+    assert resolve_precision("auto", "openvino", "/gone/datalist.json") == "f32"
+    assert "int8_calibration /gone/datalist.json does not exist: give CTs to calibrate on" in caplog.text
     assert resolve_precision("auto", "openvino", None) == resolve_precision("auto", "openvino", "null") == "f32"
     assert "int8 runs faster here: give --int8_calibration <a training run's datalist.json" in caplog.text
-    assert resolve_precision("auto", "onnxruntime", "/data/datalist.json") == "f32", "int8 is OpenVINO's only"
+    assert resolve_precision("auto", "onnxruntime", str(datalist)) == "f32", "int8 is OpenVINO's only"
     monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None if name == "nncf" else object())
-    assert resolve_precision("auto", "openvino", "/data/prepared/datalist.json") == "f32"
+    assert resolve_precision("auto", "openvino", str(datalist)) == "f32"
     assert "; and pip install -r requirements-int8.txt" in caplog.text
     monkeypatch.setattr("scripts.backends.native_bf16", lambda: True)
-    assert resolve_precision("auto", "openvino", "/data/prepared/datalist.json") == "bf16"
+    assert resolve_precision("auto", "openvino", str(datalist)) == "bf16"
 
 
 def test_a_cap_on_onednns_instruction_set_makes_the_cpu_one_without_bf16(monkeypatch):

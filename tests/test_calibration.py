@@ -169,11 +169,13 @@ def test_a_calibration_set_beside_the_weights_travels_with_them_and_gives_the_sa
 
     weights = tmp_path / "model.pt"
     assert source_for(None, weights) is None and source_for("null", weights) is None
+    assert source_for("/gone/datalist.json", weights) == "/gone/datalist.json", "refused when int8 is made"
     made = Calibration(ct_folder, 6, PREPROCESSING, inferer(), check_count=3)
     assert write_set(made, weights, SimpleNamespace(best_metric_epoch=-1)) is None
     written = write_set(made, weights, SimpleNamespace(best_metric_epoch=2))
     assert written == tmp_path / f"model.pt{SET_SUFFIX}" and source_for(None, weights) == str(written)
     assert source_for(ct_folder, weights) == str(ct_folder), "a source named wins"
+    assert source_for(tmp_path / "moved" / "datalist.json", weights) == str(written), "one that is gone does not"
     kept = Calibration(source_for(None, weights), 6, PREPROCESSING, inferer(), check_count=3)
     assert kept.is_set and kept.key != made.key
     for ours, theirs in ((kept.windows(), made.windows()), (kept.check_windows(), made.check_windows())):

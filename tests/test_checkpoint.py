@@ -278,7 +278,8 @@ def test_a_new_run_names_the_state_and_weights_it_will_replace_and_what_keeps_ea
     torch.save({"w": torch.zeros(1)}, weights)
     with caplog.at_level(logging.WARNING, logger="scripts.checkpoint"):
         checkpoint, model = warn_before_replacing(latest, weights, "false")
-    assert [r.getMessage() for r in caplog.records if r.name == "scripts.checkpoint"] == [checkpoint, model]
+    warned = [r.getMessage() for r in caplog.records if r.name == "scripts.checkpoint" and r.levelno == logging.WARNING]
+    assert warned == [checkpoint, model]
     assert checkpoint.startswith(f"{latest} holds the training state of epoch 2 of another run")
     assert "replaces it after its first epoch" in checkpoint and "--resume true" in checkpoint
     assert model.startswith(f"{weights} holds weights this run did not train") and "--model_path" in model

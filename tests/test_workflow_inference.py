@@ -108,6 +108,7 @@ def inferred(demo_run, tmp_path_factory):
     result = bundle_run("inference", "--config_file", configs("inference.yaml", "demo.yaml")[:-1] + f", '{faults}']",
                         "--input_dir", str(inputs), "--output_dir", str(out), "--model_path", weights,
                         with_faults=True)  # fmt: skip
+    assert (out / "inference_report.json").is_file(), result.stdout[-2000:] + result.stderr[-3000:]
     report = json.loads((out / "inference_report.json").read_text())
     return truths, inputs, out, result, report, scanner
 
@@ -274,7 +275,8 @@ def test_on_an_avx2_cpu_auto_chooses_int8_proves_it_and_gives_the_tumour_of_f32(
     log = result.stdout + result.stderr
     assert result.returncode == 0, log[-3000:]
     assert "cpu_precision auto: int8 in OpenVINO (no native bf16 on this CPU (avx2); int8 calibrated on " in log
-    assert "int8 proved against f32 (now): " in log and " held-out windows on avx2: " in log
+    # checked now, or earlier in this session where every test runs under the cap (the decision is kept per CPU kind)
+    assert "int8 proved against f32 (" in log and " held-out windows on avx2: " in log
     assert json.loads((tmp_path / "inference_report.json").read_text())["models"]["precision"] == "int8"
     checks = json.loads((tmp / "run" / "model.pt.onnx.openvino-int8" / "int8.json").read_text())["checks"]
     assert checks["avx2"]["accepted"]
