@@ -119,9 +119,9 @@ def quantised(
                 and record.get("overflow_fix") == OVERFLOW_FIX and xml.is_file() and weights_file.is_file()
                 and file_sha256(weights_file) == record.get("bin_sha256")):  # fmt: skip
             model = str(xml)
-            earlier = record.get("checks", {}).get(kind)
+            earlier = _read_check(record.get("checks", {}).get(kind))
             if earlier is not None:
-                check = Check(**earlier)
+                check = earlier
                 _log_decision(check, calibration, "earlier")
                 return Int8Model(model if check.accepted else None, check)
             logger.info("int8: the model quantised on %s earlier (%s); checking it on %s", calibration.describe(), xml,
@@ -131,11 +131,11 @@ def quantised(
                 shutil.rmtree(child) if child.is_dir() else child.unlink()
             record = {}
     if model is None:
-        model = _quantise(model_file, calibration)
+        model, windows = _quantise(model_file, calibration)
         if folder is not None:
             model = _save(model, folder, {"calibration": key, "describe": calibration.describe(),
                                           "onnx_sha256": export_sha, "overflow_fix": OVERFLOW_FIX,
-                                          "windows": calibration.count})  # fmt: skip
+                                          "windows": windows})  # fmt: skip
             record = read_json(folder / INT8_RECORD)
     check = check_against_f32(compile_model(str(model_file), "f32"), compile_model(model, "int8"),
                               calibration.check_windows(), kind)  # fmt: skip
@@ -172,10 +172,10 @@ def check_against_f32(f32: Any, int8: Any, windows: Sequence[np.ndarray], cpu: s
     ).judge()
 
 
-def _quantise(model_file: Path, calibration: Calibration) -> Any:
+def _quantise(model_file: Path, calibration: Calibration) -> tuple[Any, int]:
     """NNCF's post-training quantisation of the export: activations' ranges measured on the calibration's windows,
     SmoothQuant and bias correction for the attention's products (``ModelType.TRANSFORMER``), every layer's weights in
-    7 bits (:data:`OVERFLOW_FIX`)."""
+    7 bits (:data:`OVERFLOW_FIX`). Returns the model and the number of windows it was calibrated on."""
     try:
         import nncf
         from nncf.quantization.advanced_parameters import AdvancedQuantizationParameters, OverflowFix
@@ -198,7 +198,7 @@ def _quantise(model_file: Path, calibration: Calibration) -> Any:
         raise QuantisationError(f"{model_file}: int8 quantisation failed ({type(err).__name__}: {str(err)[:300]}); "
                                 "use --cpu_precision f32.") from err  # fmt: skip
     logger.info("int8: quantised in %.1f s on %d windows", time.perf_counter() - start, len(windows))
-    return model
+    return model, len(windows)
 
 
 def _save(model: Any, folder: Path, record: dict) -> str:
@@ -217,6 +217,14 @@ def _save(model: Any, folder: Path, record: dict) -> str:
     write_json(folder / INT8_RECORD, {**record, "bin_sha256": file_sha256(xml.with_suffix(".bin")),
                                       "nncf": nncf.__version__})  # fmt: skip
     return str(xml)
+
+
+def _read_check(kept: Any) -> Check | None:
+    """A check as ``int8.json`` keeps it, or None where it is not one (another version's record: checked again)."""
+    try:
+        return Check(**kept) if isinstance(kept, dict) else None
+    except TypeError:
+        return None
 
 
 def _log_decision(check: Check, calibration: Calibration, when: str) -> None:

@@ -249,7 +249,7 @@ def test_int8_gives_the_tumour_of_f32_on_the_demo_cases_and_a_scanner_sized_ct(i
     precision_run(inputs / "tcia", tmp, tmp_path, "int8")
     record = json.loads((tmp / "run" / "model.pt.onnx.openvino-int8" / "int8.json").read_text())
     assert record["describe"] == f"16 windows of 64x64x32 from {tmp / 'prepared' / 'datalist.json'}"
-    assert record["overflow_fix"] == "enable"
+    assert record["overflow_fix"] == "enable" and record["windows"] == 14, "the 7 training CTs' 2 windows each"
     check = record["checks"][cpu_isa()]
     assert check["accepted"] and check["windows"] >= 4, "the demo's validation cases: 2 windows each, held out"
     assert check["tumour_dice"] >= 0.99, "the held-out windows hold the validation cases' tumours"
