@@ -180,19 +180,26 @@ def _child(inputs: Path, out: Path, weights: Path, backend: str, threads: int | 
 
 
 def infer(inputs: str, out: str, weights: str, backend: str, threads: str = "", network: str = "{}") -> None:
-    """(Child process) configs/inference.yaml alone on ``inputs`` with ``backend`` (``openvino-bf16``: OpenVINO in
+    """(Child process) :func:`_infer`, with int8's check against f32 timed but deciding nothing: random weights
+    predict near ties everywhere, so no such check means anything on them (with trained weights the guard holds:
+    tests/test_workflow_inference.py), and what is measured here is int8's time."""
+    from unittest import mock
+
+    from scripts import int8
+
+    with mock.patch.dict(int8.GUARD, agreement=0.0, tumour_dice=0.0, volume_change=float("inf")):
+        _infer(inputs, out, weights, backend, threads, network)
+
+
+def _infer(inputs: str, out: str, weights: str, backend: str, threads: str = "", network: str = "{}") -> None:
+    """configs/inference.yaml alone on ``inputs`` with ``backend`` (``openvino-bf16``: OpenVINO in
     that precision; ``monailabel...``: :func:`monai_label_case`, asked ``network["requests"]`` times); prints one JSON
     line with the times."""
     from monai.bundle import ConfigWorkflow
-    from scripts import int8
     from scripts.backends import precision_in_force, prepare
 
     settings = {"cpu_threads": int(threads)} if str(threads).strip() else {}
     backend, _, precision = backend.partition("-")
-    # random weights predict near ties everywhere, so no check of int8 against f32 means anything on them (with
-    # trained weights the guard holds: tests/test_workflow_inference.py); what is measured here is int8's time, so
-    # its check runs (and is timed) but decides nothing
-    int8.GUARD.update(agreement=0.0, tumour_dice=0.0, volume_change=float("inf"))
     settings["cpu_precision"] = precision or "auto"
     settings.update(json.loads(network) if isinstance(network, str) else network)
     if backend == "monailabel":
