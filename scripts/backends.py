@@ -415,7 +415,7 @@ class OpenVinoNetwork(torch.nn.Module):
             with self._cache_lock(self.precision) as folder:
                 compiled = self._compile(str(self.model_file), self.precision, folder)
         self.compiled = compiled
-        self.compile_s = time.perf_counter() - start
+        self.setup_s = time.perf_counter() - start  # quantised, checked, compiled or loaded: each step logs its own
         # one request per stream, started and waited for from this thread: no Python callback runs on OpenVINO's
         # threads. (An AsyncInferQueue's callback took the GIL on a stream's thread after wait_all() had returned;
         # destroying the compiled model, which holds the GIL and joins those threads, then waited forever: reproduced
