@@ -169,7 +169,8 @@ class Calibration:
                 inferer(torch.as_tensor(image)[None], _Recorder(seen, self.out_channels))
             every = torch.cat(seen) if seen else torch.empty(0)
             taken = _spread(every.shape[0], share) if share else []
-            rest = [i for i in range(every.shape[0]) if i not in set(taken)]
+            calibrating = set(taken)
+            rest = [i for i in range(every.shape[0]) if i not in calibrating]
             kept = [rest[i] for i in _spread(len(rest), held_share)] if held_share > 0 else []
             chosen += [every[i : i + 1].detach().to("cpu", torch.float32).contiguous().numpy() for i in taken]
             held += [every[i : i + 1].detach().to("cpu", torch.float32).contiguous().numpy() for i in kept]

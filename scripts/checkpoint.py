@@ -181,11 +181,15 @@ def warn_before_replacing(checkpoint_file: str | Path, model_path: str | Path, r
     return warnings
 
 
+def read_epoch(checkpoint_file: str | Path) -> int:
+    """The epoch saved in a :class:`TrainingCheckpoint` file, read through a memory map (no tensor is loaded)."""
+    return int(torch.load(checkpoint_file, map_location="cpu", weights_only=True, mmap=True)["trainer"]["epoch"])
+
+
 def saved_epoch(checkpoint_file: str | Path) -> int | None:
-    """The epoch saved in a :class:`TrainingCheckpoint` file, read through a memory map (no tensor is loaded), or
-    None when the file cannot be read as one (another program's file, a damaged one)."""
+    """:func:`read_epoch`, or None when the file cannot be read as a checkpoint (another program's file, a damaged
+    one)."""
     try:
-        state = torch.load(checkpoint_file, map_location="cpu", weights_only=True, mmap=True)
-        return int(state["trainer"]["epoch"])
+        return read_epoch(checkpoint_file)
     except Exception:  # a notice: a file torch cannot read as a checkpoint is still named, without its epoch
         return None

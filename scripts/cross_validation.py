@@ -245,12 +245,10 @@ def fold_ids(datalist: dict, folds: int | Sequence[int] | None, source: Path) ->
 
 def checkpoint_epoch(fold_dir: Path) -> int:
     """The last epoch saved in ``fold_dir/checkpoints/latest.pt`` (0: none), read without loading the tensors."""
-    import torch
+    from scripts.checkpoint import read_epoch
 
     latest = fold_dir / "checkpoints" / "latest.pt"
-    if not latest.is_file():
-        return 0
-    return int(torch.load(latest, map_location="cpu", weights_only=True, mmap=True)["trainer"]["epoch"])
+    return read_epoch(latest) if latest.is_file() else 0
 
 
 def _check_finished(plan: Plan, fold: int) -> None:
