@@ -18,7 +18,7 @@ FROM ${BASE_IMAGE}
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cu130
 
-# MIOpen/TunableOp settings are NOT baked in here: scripts/accelerator.py sets them from the config
+# MIOpen/TunableOp settings are NOT baked in here: scripts/training/accelerator.py sets them from the config
 # (miopen_find_mode 1, miopen_find_enforce 3, a persistent MIOpen DB under <output_dir>/miopen -- mount runs/ as a
 # volume and tuning is paid once). A value exported with `docker run -e MIOPEN_...` still wins, and
 # <output_dir>/device_report.json records which values were in force.

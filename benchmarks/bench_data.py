@@ -14,7 +14,7 @@ All three run the same geometry and intensity transforms (train.yaml's, read fro
 crops (``num_samples`` patches of ``roi_size`` per case); only where the data comes from and what is cached differ.
 It reports seconds of data per epoch (first epoch: reading + caching; steady state: median of the later ones),
 peak RSS, bytes per cached case, and the speed-up of the steady-state epoch over ``original``. Before that it times
-``scripts.prepare`` per case against a bare pydicom read of the same CT series (every file read and its pixels
+``scripts.data.prepare`` per case against a bare pydicom read of the same CT series (every file read and its pixels
 decoded, nothing else), wall clock and CPU, each in fresh child processes (see :func:`_time_prepare`)::
 
     python -m benchmarks.bench_data [--cases 4] [--shape "[512,512,120]"] [--epochs 5] [--original_epochs 2]
@@ -54,7 +54,7 @@ def main(
     json_out: str | None = None,
 ) -> dict[str, Any]:
     """Write the cases, time prepare against a bare read, run the three approaches, print a table."""
-    from scripts.config import as_bool
+    from scripts.common.config import as_bool
 
     folder = Path(output_dir) if output_dir else Path(tempfile.mkdtemp(prefix="bench_data_"))
     dicom_dir, prepared_dir = folder / "dicom", folder / "prepared"
@@ -78,7 +78,7 @@ def main(
 
 
 def _write_cases(dicom_dir: Path, cases: int, shape: Sequence[int]) -> None:
-    from scripts.synthetic import write_case
+    from scripts.data.synthetic import write_case
     from tqdm import tqdm
 
     for i in tqdm(range(cases), desc="synthetic cases", unit="case"):
@@ -90,7 +90,7 @@ def _write_cases(dicom_dir: Path, cases: int, shape: Sequence[int]) -> None:
 
 
 def _time_prepare(dicom_dir: Path, prepared_dir: Path, rounds: int = 3, passes: int = 3) -> dict[str, float]:
-    """Seconds per case, wall clock and CPU (every thread of the process): ``scripts.prepare`` (one worker process;
+    """Seconds per case, wall clock and CPU (every thread of the process): ``scripts.data.prepare`` (one worker process;
     it keeps two cases in flight in threads, so that one's NIfTI writes overlap the next one's reading) vs. reading
     the CT series with pydicom, on files already in the page cache.
 
@@ -111,7 +111,7 @@ def _time_prepare(dicom_dir: Path, prepared_dir: Path, rounds: int = 3, passes: 
 
 def _time_passes(kind: str, dicom_dir: Path, prepared_dir: Path, passes: int) -> list[tuple[float, float]]:
     """``passes`` times (wall, CPU) per case of a bare read of every series (``kind="bare"``) or of prepare."""
-    from scripts.prepare import prepare
+    from scripts.data.prepare import prepare
 
     series = sorted((dicom_dir / COLLECTION).glob("*/*/image"))
     times = []

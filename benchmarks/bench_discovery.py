@@ -1,10 +1,10 @@
-"""Benchmark of finding the cases of a whole collection from DICOM headers (scripts/dicom/discovery.py).
+"""Benchmark of finding the cases of a whole collection from DICOM headers (scripts/data/dicom/discovery.py).
 
 It writes a tree the size of NSCLC-Radiomics as TCIA's NBIA Data Retriever lays it out -- 422 patients, each a CT
 series of 120 slices of 512 x 512, a DICOM SEG and an RTSTRUCT (~51,500 files) under
 ``manifest-<n>/NSCLC-Radiomics/<PatientID>/<date>-<study>-<n>/<n>.000000-<series>-<n>/1-NNN.dcm`` with its
-``metadata.csv`` -- and times ``scripts.prepare.find_cases`` on it twice: the first scan (every header read), then a
-second one that reuses what the first learned (``dicom_index.json``: paths, sizes and times). It prints files/s and
+``metadata.csv`` -- and times ``scripts.data.prepare.find_cases`` on it twice: the first scan (every header read), then
+a second one that reuses what the first learned (``dicom_index.json``: paths, sizes and times). It prints files/s and
 where the time goes: listing the tree (``os.walk`` + ``stat``), reading headers, reading / writing the cache, grouping
 files into cases.
 
@@ -52,7 +52,7 @@ def main(
     json_out: str | None = None,
 ) -> dict[str, Any]:
     """Write the tree (kept between runs in ``output_dir``), scan it twice in child processes, print the table."""
-    from scripts.config import as_bool
+    from scripts.common.config import as_bool
 
     folder = Path(output_dir) if output_dir else Path(tempfile.mkdtemp(prefix="bench_discovery_"))
     tree, out = folder / "download", folder / "prepared"
@@ -78,7 +78,7 @@ def main(
 
 def child(tree: str, out: str) -> None:
     """One scan, as prepare runs it: print its timings as JSON (run by :func:`_child` in a fresh process)."""
-    from scripts.prepare import find_cases
+    from scripts.data.prepare import find_cases
 
     start = time.perf_counter()
     found = find_cases(tree, output_dir=out, progress=False)
@@ -172,7 +172,7 @@ def write_tree(tree: Path, patients: int, slices: int, templates: Path) -> int:
 def _templates(folder: Path, slices: int) -> tuple[list, Any, Any]:
     """The synthetic writer's CT headers (no pixel data), SEG and RTSTRUCT for one 512 x 512 x ``slices`` case."""
     import pydicom
-    from scripts.synthetic import write_case
+    from scripts.data.synthetic import write_case
 
     truth_file = folder / "synthetic_truth" / "TEMPLATE.json"
     if truth_file.is_file() and json.loads(truth_file.read_text())["shape"][2] == slices:
@@ -245,7 +245,7 @@ def format_report(report: dict) -> str:
 
 if __name__ == "__main__":
     import fire
-    from scripts.cli import printed
+    from scripts.common.cli import printed
 
     if len(sys.argv) > 1 and sys.argv[1] == "child":
         fire.Fire(child, command=sys.argv[2:])

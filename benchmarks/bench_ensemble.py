@@ -69,8 +69,8 @@ def main(
 
 def _write_cases(folder: Path, cases: int, shape: Sequence[int]) -> Path:
     """Synthetic DICOM series as the demo writes them, one folder per case."""
-    from scripts.labels import COLLECTION
-    from scripts.synthetic import generate
+    from scripts.common.labels import COLLECTION
+    from scripts.data.synthetic import generate
 
     generate(folder, num_cases=cases, shape=tuple(shape), seed=900, tumour_hu=400)  # cases already written are kept
     return folder / COLLECTION  # the series only (generate writes its truth beside them)
@@ -80,7 +80,7 @@ def _write_weights(folder: Path, models: int) -> Path:
     """``models`` random initialisations of the demo network as cross-validation folds (with their labels)."""
     import torch
     from monai.networks.nets import SwinUNETR
-    from scripts.weights import save_weights
+    from scripts.training.weights import save_weights
 
     for fold in range(models):
         path = folder / f"fold_{fold}" / "model.pt"
@@ -93,7 +93,7 @@ def _write_weights(folder: Path, models: int) -> Path:
 def _infer(inputs: Path, out: Path, settings: dict[str, Any]) -> dict[str, Any]:
     """One inference run of every case; seconds per case for the whole run and for the network's forward passes."""
     from monai.bundle import ConfigWorkflow
-    from scripts.backends import prepare
+    from scripts.inference.backends import prepare
 
     workflow = ConfigWorkflow(config_file=CONFIGS, workflow_type=None, bundle_root=str(ROOT), input_dir=str(inputs),
                               output_dir=str(out), num_workers=0, write_dicom_seg=False, write_rtstruct=False,

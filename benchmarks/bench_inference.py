@@ -7,11 +7,11 @@ precision, PyTorch), as 3D Slicer asks it, ``--requests`` times in one process.
 
 The shipped network (SwinUNETR feature size 48, random weights: time does not depend on their values) and the
 shipped window settings (96^3 windows, sw_batch_size 4, overlap 0.25, 1 x 1 x 3 mm) on synthetic CTs written as
-DICOM: ``small`` (scripts.synthetic's demo-like chest, 160 x 160 x 48 voxels of 1.6 mm, 3 mm slices) and ``chest``
-(:func:`scripts.synthetic.write_chest_case`: 512 x 512 x 120 of 0.98 mm, 3 mm slices -- the neck above the lungs,
+DICOM: ``small`` (scripts.data.synthetic's demo-like chest, 160 x 160 x 48 voxels of 1.6 mm, 3 mm slices) and ``chest``
+(:func:`scripts.data.synthetic.write_chest_case`: 512 x 512 x 120 of 0.98 mm, 3 mm slices -- the neck above the lungs,
 shoulders and arms beside the body, the upper abdomen below, the couch under the back, as a planning CT holds them;
-scripts/phantom.py states the proportions). Each backend, region and case runs in a child process of its own (so its
-peak RSS is its own, and nothing one leaves warm helps the other); the ONNX export and OpenVINO's compilation (once
+scripts/data/phantom.py states the proportions). Each backend, region and case runs in a child process of its own (so
+its peak RSS is its own, and nothing one leaves warm helps the other); the ONNX export and OpenVINO's compilation (once
 per weights file and precision, cached beside them) are made before the timed run and reported apart. Only the NIfTI
 label map is written::
 
@@ -43,7 +43,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from scripts.cpus import usable_cpus
+from scripts.common.cpus import usable_cpus
 
 ROOT = Path(__file__).resolve().parents[1]
 CASES = {  # columns, rows, slices; pixel spacing, slice spacing (mm); the chest phantom or the demo-like synthetic case
@@ -147,7 +147,7 @@ def _write_weights(path: Path, feature_size: int) -> Path:
     if not path.is_file():
         import torch
         from monai.networks.nets import SwinUNETR
-        from scripts.weights import save_weights
+        from scripts.training.weights import save_weights
 
         torch.manual_seed(0)
         save_weights(SwinUNETR(in_channels=1, out_channels=2, feature_size=feature_size), path, ["GTV-1"])
@@ -156,7 +156,7 @@ def _write_weights(path: Path, feature_size: int) -> Path:
 
 def _write_case(folder: Path, case: str) -> tuple[Path, dict | None]:
     """One synthetic CT as DICOM (kept when written already), and the chest phantom's truth (None for the other)."""
-    from scripts.synthetic import write_case, write_chest_case
+    from scripts.data.synthetic import write_case, write_chest_case
 
     shape, pixel, slices, kind = CASES[case]
     truth_file = folder / "truth.json"
@@ -185,7 +185,7 @@ def infer(inputs: str, out: str, weights: str, backend: str, threads: str = "", 
     tests/test_workflow_inference.py), and what is measured here is int8's time."""
     from unittest import mock
 
-    from scripts import int8
+    from scripts.inference import int8
 
     with mock.patch.dict(int8.GUARD, agreement=0.0, tumour_dice=0.0, volume_change=float("inf")):
         _infer(inputs, out, weights, backend, threads, network)
@@ -196,7 +196,7 @@ def _infer(inputs: str, out: str, weights: str, backend: str, threads: str = "",
     that precision; ``monailabel...``: :func:`monai_label_case`, asked ``network["requests"]`` times); prints one JSON
     line with the times."""
     from monai.bundle import ConfigWorkflow
-    from scripts.backends import precision_in_force, prepare
+    from scripts.inference.backends import precision_in_force, prepare
 
     settings = {"cpu_threads": int(threads)} if str(threads).strip() else {}
     backend, _, precision = backend.partition("-")
@@ -389,7 +389,7 @@ def format_report(report: dict[str, Any]) -> str:
 
 if __name__ == "__main__":
     import fire
-    from scripts.cli import printed
+    from scripts.common.cli import printed
 
     if len(sys.argv) > 1 and sys.argv[1] == "infer":
         fire.Fire(infer, command=sys.argv[2:])

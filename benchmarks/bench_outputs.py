@@ -1,7 +1,7 @@
 """Benchmark of the seconds around the network: a chest CT through ``configs/inference.yaml`` with every output on
 (NIfTI, DICOM SEG, RTSTRUCT, SR, the tumour report and its picture), the network replaced by an oracle.
 
-The case is the chest phantom of :func:`scripts.synthetic.write_chest_case` (512 x 512 x 100 of 0.98 mm, 3 mm
+The case is the chest phantom of :func:`scripts.data.synthetic.write_chest_case` (512 x 512 x 100 of 0.98 mm, 3 mm
 slices, as DICOM, the tumour of ``--pathology``). The oracle gives, inside the thorax region the shipped inferer finds,
 the logits a network gives on it, for each of ``--masks``:
 
@@ -14,7 +14,7 @@ the logits a network gives on it, for each of ``--masks``:
 
 Everything else is the shipped pipeline: the reading, the preprocessing, the region, the post-processing (softmax,
 inversion onto the CT's grid, argmax, largest component) and every writer. So the table is what a case costs besides
-its network, stage by stage, transform by transform and output by output (:attr:`scripts.outputs.SaveCased.
+its network, stage by stage, transform by transform and output by output (:attr:`scripts.inference.outputs.SaveCased.
 last_seconds`: each output's own seconds, which overlap when the writers run side by side), a row per mask::
 
     python -m benchmarks.bench_outputs [--slices 100] [--pathology none] [--repeats 3] [--masks tumour,thorax]
@@ -22,7 +22,7 @@ last_seconds`: each output's own seconds, which overlap when the writers run sid
 
 ``--outputs all``: every writer ``configs/inference.yaml`` turns on by default; ``--outputs kit``: the NIfTI and the
 DICOM SEG alone, what the GPU kit's full-CT inference writes (``benchmarks/gpu_proof.py``). ``--workers``: how many
-writers :class:`scripts.outputs.SaveCased` runs side by side (1: one after the other; default: its own).
+writers :class:`scripts.inference.outputs.SaveCased` runs side by side (1: one after the other; default: its own).
 
 Each repeat runs the case again in the same process (the first pays Python's and the libraries' first calls, and is
 reported apart). It also checks what was written: the tumour's volume against the phantom's analytic one, and that
@@ -45,7 +45,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from scripts.inferers import FallbackSlidingWindowInferer
+from scripts.inference.inferers import FallbackSlidingWindowInferer
 
 ROOT = Path(__file__).resolve().parents[1]
 #: the oracle's false positive: a sphere of this radius (mm), this far (mm, LPS) from the tumour's centre
@@ -119,7 +119,7 @@ def main(
 ) -> dict:
     """Write the case, run it ``repeats`` + 1 times for each of ``masks``, print the seconds per stage and per
     transform (``profile``: and cProfile's 40 costliest calls of each mask's last run)."""
-    from scripts.synthetic import write_chest_case
+    from scripts.data.synthetic import write_chest_case
 
     masks = tuple(m.strip() for m in masks.split(",")) if isinstance(masks, str) else tuple(masks)
     if outputs not in OUTPUTS:
@@ -183,7 +183,7 @@ def _run(
 def _weights(path: Path) -> Path:
     """Weights for the (unused) network the bundle loads and records: SwinUNETR f12, with the labels they are for."""
     from monai.networks.nets import SwinUNETR
-    from scripts.weights import save_weights
+    from scripts.training.weights import save_weights
 
     return save_weights(SwinUNETR(in_channels=1, out_channels=2, feature_size=12), path, ["GTV-1"])
 
@@ -223,7 +223,7 @@ def _tumour_ml(out: Path) -> float:
         (row,) = [r for r in csv.DictReader((out / "report.csv").open()) if r["structure"] == "GTV-1"]
         return round(float(row["volume_ml"]), 2)
     import nibabel as nib
-    from scripts.geometry import voxel_volume_ml
+    from scripts.common.geometry import voxel_volume_ml
 
     image = nib.load(out / "P1" / "P1_seg.nii.gz")
     return round(float(np.count_nonzero(np.asarray(image.dataobj) == 1)) * voxel_volume_ml(image.affine), 2)
@@ -283,6 +283,6 @@ def format_result(result: dict) -> str:
 
 if __name__ == "__main__":
     import fire
-    from scripts.cli import printed
+    from scripts.common.cli import printed
 
     fire.Fire(printed(main))

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from scripts.config import check_ids
+from scripts.common.config import check_ids
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -302,6 +302,6 @@ def slug(name: str) -> str:
 
 if __name__ == "__main__":
     import fire
-    from scripts.cli import fire_command
+    from scripts.common.cli import fire_command
 
     fire.Fire(run, command=fire_command(sys.argv[1:]))

@@ -1,4 +1,4 @@
-"""Benchmark of ``scripts.summarize_trace`` on large synthetic torch.profiler chrome traces of several shapes.
+"""Benchmark of ``scripts.profiling.summarize_trace`` on large synthetic torch.profiler chrome traces of several shapes.
 
 Each shape is a CUDA/HIP training run as torch.profiler records it, written independently of the summariser (plain
 string templates, no code from it): ``__sec:`` ranges (loader, step, forward, backward, optimizer), ``cpu_op`` events
@@ -37,7 +37,8 @@ For every shape the benchmark
    against it (1e-6 s);
 2. writes a large trace (``--size_gb``, 10^9 bytes uncompressed) as ``.json``, streamed to disk step by step so the
    benchmark itself stays small, then gzips it (``.json.gz``, level 6);
-3. runs ``scripts/summarize_trace.py TRACE --format json --parser P`` (the file, run as ``__main__``) in a child
+3. runs ``scripts/profiling/summarize_trace.py TRACE --format json --parser P`` (the file, run as ``__main__``) in a
+child
    process for each file and parser, checks its statistics against the generator's record (1e-6 s), and measures
    the child's wall time, throughput (MB/s of uncompressed trace, 10^6 bytes; also per CPU second of the child and
    any process it starts, steadier on a shared machine), peak resident memory (the child's own
@@ -54,9 +55,9 @@ It prints a markdown table, one row per shape, file and parser, and the slowest 
 
 ``--parsers auto,orjson`` compares the standard library with the optional accelerator (``pip install orjson``).
 ``--baseline /tmp/st_051/summarize_trace.py`` also times another copy of the summariser (e.g. ``git show
-v0.5.1:scripts/summarize_trace.py``), run in its child exactly as this one, on the same files, interleaved run by run
-(a ``version`` column labels the rows: ``new`` and ``--baseline_label``), so one table compares two versions measured
-in the same minutes.
+v0.5.1:scripts/profiling/summarize_trace.py``), run in its child exactly as this one, on the same files, interleaved run
+by run (a ``version`` column labels the rows: ``new`` and ``--baseline_label``), so one table compares two versions
+measured in the same minutes.
 
 Without ``--output_dir`` the traces go to a temporary folder that is removed afterwards (unless ``--keep true``); with
 it, they are kept with the generator's record (``SHAPE.expected.json``) and a later run of the same size reuses them.
@@ -203,7 +204,7 @@ def main(
         if not Path(baseline).is_file() or str(baseline_label) == "new":
             raise SystemExit(f"bench_trace: --baseline {baseline} is not a file, or is labelled 'new'")
         versions[str(baseline_label)] = Path(baseline).resolve()
-    from scripts.config import as_bool
+    from scripts.common.config import as_bool
 
     keep = as_bool(keep, "keep")
     folder = Path(output_dir) if output_dir else Path(tempfile.mkdtemp(prefix="bench_trace_"))

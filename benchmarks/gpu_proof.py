@@ -58,11 +58,11 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.bench_switches import run_rows
-from scripts.config import as_bool
-from scripts.cpus import usable_cpus
-from scripts.files import write_json, write_text
-from scripts.labels import COLLECTION
-from scripts.summarize_trace import SECTION_PREFIX, TraceError, format_device_table, summarize
+from scripts.common.config import as_bool
+from scripts.common.cpus import usable_cpus
+from scripts.common.files import write_json, write_text
+from scripts.common.labels import COLLECTION
+from scripts.profiling.summarize_trace import SECTION_PREFIX, TraceError, format_device_table, summarize
 
 #: the device types of key_averages() rows that are the GPU's own (kernels, copies, ranges on its timeline)
 DEVICE_TYPES = ("CUDA", "HIP")
@@ -113,12 +113,13 @@ LAST_SETS = (FUSED_COMPILE_SET, REDUCE_OVERHEAD_SET, *EARLIER_SETS)
 #: reserves nothing before it
 ROW_STEPS, LAST_ROWS = ("throughput", "compile_cache", "throughput_earlier"), "throughput_earlier"
 #: modules every child would import (~15 s each on the H200 machine, ~10 s on 2 cores): imported once, then forked
-PRELOAD = ("torch", "monai.bundle", "monai.engines", "monai.handlers", "monai.networks.nets", "scripts.data",
-           "scripts.checkpoint", "scripts.inferers", "scripts.evaluators", "scripts.outputs", "scripts.evaluation",
-           "scripts.inputs", "scripts.profiler", "scripts.benchmark", "scripts.weights", "scripts.ensemble",
-           "scripts.figures", "scripts.accelerator", "scripts.compilation", "scripts.graphs",
-           "torch.distributed.run")  # fmt: skip
-FALLBACK_LOG = "out of memory in sliding-window inference"  # scripts.inferers' warning when it retries a case
+PRELOAD = ("torch", "monai.bundle", "monai.engines", "monai.handlers", "monai.networks.nets", "scripts.data.dataset",
+           "scripts.training.checkpoint", "scripts.inference.inferers", "scripts.inference.engine",
+           "scripts.inference.outputs", "scripts.evaluation.case_metrics", "scripts.inference.inputs",
+           "scripts.profiling.profiler", "scripts.profiling.benchmark", "scripts.training.weights",
+           "scripts.inference.ensemble", "scripts.inference.figures", "scripts.training.accelerator",
+           "scripts.training.compilation", "scripts.training.graphs", "torch.distributed.run")  # fmt: skip
+FALLBACK_LOG = "out of memory in sliding-window inference"  # scripts.inference.inferers' warning when it retries a case
 LOG_TAIL_LINES = 25
 
 
@@ -129,7 +130,7 @@ class Sizes:
 
     ``settings`` go to every bundle run on top of its configs; ``case`` is the synthetic CT written for training and
     for full-CT inference: (columns, rows, slices), pixel spacing (mm), and whether it is the chest phantom
-    (:func:`scripts.synthetic.write_chest_case`) or scripts.synthetic's simpler case. ``estimates_s`` are the
+    (:func:`scripts.data.synthetic.write_chest_case`) or scripts.data.synthetic's simpler case. ``estimates_s`` are the
     expected seconds of the steps (the budget's guard; on a GPU a guess until a run has measured them)."""
 
     settings: dict[str, Any]
@@ -508,7 +509,7 @@ def step_environment(kit: Kit) -> dict[str, Any]:
 
 def step_data(kit: Kit) -> dict[str, Any]:
     """Synthetic training cases and two full-CT inference cases as DICOM (kept when written already), prepared."""
-    from scripts.prepare import prepare
+    from scripts.data.prepare import prepare
 
     (shape, pixel, chest), start = kit.sizes.case, time.monotonic()
     cases = [(kit.data / "train", f"LUNG1-{i + 1:03d}", i + 1) for i in range(kit.sizes.training_cases)]
@@ -531,7 +532,7 @@ def step_data(kit: Kit) -> dict[str, Any]:
 
 def _write_case(folder: Path, patient_id: str, seed: int, shape: tuple, pixel: float, chest: bool) -> None:
     """One synthetic CT with its SEG in the TCIA layout (a worker process of :func:`step_data`)."""
-    from scripts.synthetic import write_case, write_chest_case
+    from scripts.data.synthetic import write_case, write_chest_case
 
     if chest:
         write_chest_case(folder, patient_id, shape, pixel, 3.0, seed=seed)
@@ -634,8 +635,8 @@ def step_profile(kit: Kit) -> dict[str, Any]:
 
 
 def step_summariser(kit: Kit) -> dict[str, Any]:
-    """scripts.summarize_trace on the profile run's trace, checked against torch.profiler's key_averages() of the same
-    run (an independent account of the same events), and its reading speed."""
+    """scripts.profiling.summarize_trace on the profile run's trace, checked against torch.profiler's key_averages() of
+    the same run (an independent account of the same events), and its reading speed."""
     profile = kit.numbers("profile")
     trace = Path(profile["trace"])
     work: dict[str, int] = {}
@@ -660,7 +661,8 @@ def step_summariser(kit: Kit) -> dict[str, Any]:
 
 
 def compare_with_key_averages(summary: dict[str, Any], rows: list[dict[str, Any]], rel: float = 0.01) -> list[dict]:
-    """Checks of a trace summary against torch.profiler's key averages (:func:`scripts.profiler.key_average_rows`).
+    """Checks of a trace summary against torch.profiler's key averages
+    (:func:`scripts.profiling.profiler.key_average_rows`).
 
     Per section: the same number of instances; a CPU-timed section's total equal to its range's CPU total (``rel``,
     plus 5 us per instance for rounding); a kernel-timed one's total (first kernel start to last kernel end of each
@@ -913,9 +915,9 @@ def mfu(kit: Kit, patches_per_s: float) -> dict[str, Any]:
 def step_cuda_graphs(kit: Kit) -> dict[str, Any]:
     """The training replayed as a CUDA graph trains as the eager one: two short trainings of train.yaml's network from
     the same weights on the same batches (fp16 with GradScaler, the fused AdamW, deterministic cuDNN), MONAI's own
-    iteration and scripts.graphs' (warm-up, capture, replays): the losses of every step within 0.1 %, and the weights
-    after them within 1 % of what training changed them by (L2 norms: a kernel's atomics may order sums differently,
-    and Adam scales a gradient near zero up to the learning rate)."""
+    iteration and scripts.training.graphs' (warm-up, capture, replays): the losses of every step within 0.1 %, and the
+    weights after them within 1 % of what training changed them by (L2 norms: a kernel's atomics may order sums
+    differently, and Adam scales a gradient near zero up to the learning rate)."""
     numbers = kit.helper("cuda_graphs", "cuda_graphs", settings=json.dumps(kit.sizes.settings, default=str))
     summary = numbers["graphed"]["summary"]
     problems = []
@@ -1265,9 +1267,10 @@ def _cuda_visible() -> bool:
 
 # ------------------------------------------------------------------------------------------------- the children's side
 def helper_environment(out: str, dry_run: bool = False) -> None:
-    """(Child) the device report of scripts.accelerator, the driver's version and the host's CPUs, to ``out``."""
+    """(Child) the device report of scripts.training.accelerator, the driver's version and the host's CPUs, to
+    ``out``."""
     import torch
-    from scripts.accelerator import device_report
+    from scripts.training.accelerator import device_report
 
     device = torch.device("cuda" if torch.cuda.is_available() and not as_bool(dry_run) else "cpu")
     info = device_report(device)
@@ -1304,7 +1307,7 @@ def helper_network(out: str, settings: str | dict) -> None:
     the forward and the backward over ``batch_size * num_samples`` patches), to ``out``."""
     import torch
     from monai.bundle import ConfigParser
-    from scripts.weights import save_weights
+    from scripts.training.weights import save_weights
     from torch.utils.flop_counter import FlopCounterMode
 
     parser = ConfigParser()
@@ -1370,16 +1373,16 @@ def helper_throughput(out: str, settings: str | dict, output_dir: str, deadline_
 def helper_cuda_graphs(out: str, settings: str | dict, steps: int = 8, patches: int = 2, device: str = "cuda") -> None:
     """(Child) train.yaml's network, loss and fused AdamW trained ``steps`` steps twice from the same weights on the
     same ``patches``-patch batches (fp16 AMP with GradScaler, cuDNN deterministic): with MONAI's own iteration and with
-    scripts.graphs' (eager warm-up, capture, replays; on a CPU all eager). Each run's losses, seconds and the graphed
-    run's summary, the largest loss difference, the L2 norms of the weights' difference and of the eager run's change
-    in training, and whether the weights are bitwise equal, to ``out``."""
+    scripts.training.graphs' (eager warm-up, capture, replays; on a CPU all eager). Each run's losses, seconds and the
+    graphed run's summary, the largest loss difference, the L2 norms of the weights' difference and of the eager run's
+    change in training, and whether the weights are bitwise equal, to ``out``."""
     import copy
 
     import torch
     from ignite.engine import Events
     from monai.bundle import ConfigParser
     from monai.engines import SupervisedTrainer
-    from scripts.graphs import GraphedIteration
+    from scripts.training.graphs import GraphedIteration
 
     parser = ConfigParser()
     parser.read_config(str(ROOT / "configs" / "train.yaml"))

@@ -12,11 +12,11 @@ each kernel that computes a softmax or its backward, the script prints what deci
   every logit);
 * the atomic adds (a scatter into the bias table).
 
-It prints one table for MONAI's ``WindowAttention`` and one for :class:`scripts.attention.DenseBiasWindowAttention`,
-whose bias is one opaque operator's output. It needs the ``triton`` package (``pip install triton``; a CPU machine
-is fine) and patches one torch helper that asks Triton for a GPU backend. That is a private detail: a newer torch may
-need another patch, and the script says so. The kernels' speed is for the GPU kit to measure (``--only
-compile_cache``).
+It prints one table for MONAI's ``WindowAttention`` and one for
+:class:`scripts.training.attention.DenseBiasWindowAttention`, whose bias is one opaque operator's output. It needs the
+``triton`` package (``pip install triton``; a CPU machine is fine) and patches one torch helper that asks Triton for a
+GPU backend. That is a private detail: a newer torch may need another patch, and the script says so. The kernels' speed
+is for the GPU kit to measure (``--only compile_cache``).
 
     python -m benchmarks.inductor_kernels [--patches 1] [--shifted]
 """
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> list[tuple[str, list[Kernel]]]:
     except ImportError:
         raise SystemExit("needs the triton package: pip install triton (no GPU needed)") from None
     from monai.networks.nets.swin_unetr import SwinTransformerBlock, compute_mask
-    from scripts.attention import dense_bias_attention
+    from scripts.training.attention import dense_bias_attention
 
     # the first stage of SwinUNETR f48 on 96^3 patches: 48^3 tokens of 48 channels, 3 heads, 7^3 windows
     torch.manual_seed(0)

@@ -224,7 +224,7 @@ def render(entries: list[Entry], chosen: dict[str, set[str] | None]) -> str:
 
 def main(check: bool = False, configs: str | Path = CONFIGS) -> None:
     """Rewrite the generated configs (``--check true``: only say which are stale, exit 1 if any)."""
-    from scripts.config import as_bool
+    from scripts.common.config import as_bool
 
     if as_bool(check, "check"):
         late = stale(Path(configs))

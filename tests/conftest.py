@@ -73,7 +73,7 @@ def nothing_written_under_the_default_dataset_dir() -> Iterator[None]:
 @pytest.fixture(scope="session")
 def small_cases(tmp_path_factory) -> tuple[Path, list[dict]]:
     """Four small synthetic cases in the TCIA layout, with their truth."""
-    from scripts.synthetic import generate
+    from scripts.data.synthetic import generate
 
     out = tmp_path_factory.mktemp("small_cases")
     truths = generate(out, num_cases=4, shape=SMALL_SHAPE, seed=100)
@@ -136,8 +136,8 @@ atexit.register(shutil.rmtree, _FOREIGN, ignore_errors=True)
 def tiny_dataset(tmp: Path, num_cases: int = TINY_CASES) -> Path:
     """``num_cases`` synthetic cases of ``TINY_SHAPE`` on the demo's 2 mm grid under ``tmp/data``, prepared into
     ``tmp/prepared`` with the default split; returns ``tmp``."""
-    from scripts.prepare import prepare
-    from scripts.synthetic import generate
+    from scripts.data.prepare import prepare
+    from scripts.data.synthetic import generate
 
     generate(tmp / "data", num_cases=num_cases, shape=TINY_SHAPE, seed=0, tumour_hu=400, pixel_spacing=2.0)
     prepare(tmp / "data", tmp / "prepared", num_workers=1, progress=False)
@@ -158,7 +158,7 @@ def tiny_data(tmp_path_factory) -> Iterator[Path]:
 def save_weights(network, path: Path, labels: tuple[str, ...] = ("GTV-1",)) -> Path:
     """``network``'s weights at ``path`` with the sidecar that says what they segment, as training writes them (for
     tests that need weights of the right shape, not trained ones)."""
-    from scripts.weights import save_weights as save
+    from scripts.training.weights import save_weights as save
 
     return save(network, path, labels)
 

@@ -1,8 +1,8 @@
 """CT series and SEGs written the way clinic and PACS exports write them, for the real-world DICOM tests.
 
-Independent of ``scripts.dicom`` (and of ``scripts.synthetic``): slices are rendered from a world-space (LPS mm)
-description -- a body of soft tissue with a spherical tumour -- at whatever positions, orientation, tilt, encoding and
-tags a test asks for, so the reader's geometry can be checked against the analytic truth in millimetres.
+Independent of ``scripts.data.dicom`` (and of ``scripts.data.synthetic``): slices are rendered from a world-space (LPS
+mm) description -- a body of soft tissue with a spherical tumour -- at whatever positions, orientation, tilt, encoding
+and tags a test asks for, so the reader's geometry can be checked against the analytic truth in millimetres.
 """
 
 from __future__ import annotations

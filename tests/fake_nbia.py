@@ -297,7 +297,7 @@ def by_patient(results) -> dict:
 
 
 def served_case(case_root: Path) -> FakeCase:
-    """A FakeCase that serves the files of a case written by scripts.synthetic."""
+    """A FakeCase that serves the files of a case written by scripts.data.synthetic."""
     ct_files = sorted((case_root / "image").glob("*.dcm"))
     seg_files = sorted((case_root / "seg").glob("*.dcm"))
     ct0, seg = pydicom.dcmread(ct_files[0], stop_before_pixels=True), pydicom.dcmread(seg_files[0])

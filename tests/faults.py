@@ -12,7 +12,7 @@ from collections.abc import Callable, Hashable, Mapping
 from pathlib import Path
 from typing import Any
 
-from scripts.outputs import SaveCased
+from scripts.inference.outputs import SaveCased
 
 
 class InjectedFault(RuntimeError):

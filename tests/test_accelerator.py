@@ -10,9 +10,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from scripts import accelerator
-from scripts.accelerator import backend, configure
-from scripts.config import ConfigError
+from scripts.common.config import ConfigError
+from scripts.training import accelerator
+from scripts.training.accelerator import backend, configure
 
 GPU_ENV_PREFIXES = ("MIOPEN_", "PYTORCH_TUNABLEOP_")
 GIB = 2**30
@@ -112,7 +112,7 @@ def test_rocm_without_miopen_cache_leaves_miopen_paths_to_miopen(rocm, tmp_path)
 def test_user_exported_miopen_variable_wins_and_report_says_environment(rocm, tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("MIOPEN_FIND_MODE", "3")
 
-    with caplog.at_level(logging.INFO, logger="scripts.accelerator"):
+    with caplog.at_level(logging.INFO, logger="scripts.training.accelerator"):
         info = configure("cuda", tmp_path, miopen_find_mode=1)
 
     assert os.environ["MIOPEN_FIND_MODE"] == "3"

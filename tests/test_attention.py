@@ -1,6 +1,7 @@
-"""SwinUNETR's window attention (scripts/attention.py), fused into one kernel and with its bias made as one tensor for
-compiled networks: the same module to its weights, the same outputs and gradients as MONAI's (the dense bias bit for
-bit), in training and in evaluation, with and without shifted-window masks; the compiled graph reads the bias."""
+"""SwinUNETR's window attention (scripts/training/attention.py), fused into one kernel and with its bias made as one
+tensor for compiled networks: the same module to its weights, the same outputs and gradients as MONAI's (the dense bias
+bit for bit), in training and in evaluation, with and without shifted-window masks; the compiled graph reads the
+bias."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 from monai.networks.nets import SwinUNETR
 from monai.networks.nets.swin_unetr import WindowAttention
-from scripts.attention import (
+from scripts.training.attention import (
     DenseBiasWindowAttention,
     FusedWindowAttention,
     dense_bias_attention,

@@ -21,7 +21,8 @@ import pytest
 import torch
 from conftest import ROOT
 from monai.inferers import SlidingWindowInferer
-from scripts.backends import (
+from scripts.common.cpus import NATIVE_BF16, cpu_isa
+from scripts.inference.backends import (
     BackendError,
     LazyNetwork,
     OnnxNetwork,
@@ -35,8 +36,7 @@ from scripts.backends import (
     resolve,
     resolve_precision,
 )
-from scripts.cpus import NATIVE_BF16, cpu_isa
-from scripts.ensemble import EnsembleNetwork, Models, ensemble, mirror_flips
+from scripts.inference.ensemble import EnsembleNetwork, Models, ensemble, mirror_flips
 
 WINDOW = (16, 16, 8)
 
@@ -57,7 +57,7 @@ def saved(network: torch.nn.Module, path) -> tuple[torch.nn.Module, object]:
 @pytest.fixture
 def exports(caplog):
     """The messages that say an export happened."""
-    caplog.set_level(logging.INFO, logger="scripts.backends")
+    caplog.set_level(logging.INFO, logger="scripts.inference.backends")
     return lambda: [r for r in caplog.records if r.getMessage().startswith("exporting ")]
 
 
@@ -70,7 +70,7 @@ def test_auto_is_a_cpu_runtime_on_a_cpu_and_torch_on_a_gpu_and_cpu_runtimes_on_a
             resolve(runtime, "cuda:1")
     with pytest.raises(BackendError, match="'tensorrt': choose one of torch, openvino, onnxruntime, auto"):
         resolve("tensorrt", "cpu")
-    monkeypatch.setattr("scripts.backends._available", lambda runtime: runtime == "onnxruntime")
+    monkeypatch.setattr("scripts.inference.backends._available", lambda runtime: runtime == "onnxruntime")
     assert resolve("auto", "cpu") == "onnxruntime", "without OpenVINO, the next CPU runtime"
     with pytest.raises(BackendError, match="inference_backend=openvino needs `pip install openvino"):
         resolve("openvino", "cpu")
@@ -79,13 +79,13 @@ def test_auto_is_a_cpu_runtime_on_a_cpu_and_torch_on_a_gpu_and_cpu_runtimes_on_a
 def test_precision_auto_is_bf16_only_where_the_cpu_computes_it_natively(monkeypatch):
     assert native_bf16() == bool(CPU_BF16), "OpenVINO's word matches the CPU's flags"
     for native in (True, False):
-        monkeypatch.setattr("scripts.backends.native_bf16", lambda native=native: native)
+        monkeypatch.setattr("scripts.inference.backends.native_bf16", lambda native=native: native)
         assert resolve_precision("auto", "openvino") == ("bf16" if native else "f32")
         assert resolve_precision("F32", "openvino") == "f32"
         assert resolve_precision("auto", "onnxruntime") == resolve_precision("auto", "torch") == "f32"
     with pytest.raises(BackendError, match=r"this CPU does not compute bf16 natively .* use --cpu_precision f32"):
         resolve_precision("bf16", "openvino")  # native_bf16 is False here (the loop's last)
-    monkeypatch.setattr("scripts.backends.native_bf16", lambda: True)
+    monkeypatch.setattr("scripts.inference.backends.native_bf16", lambda: True)
     assert resolve_precision("bf16", "openvino") == "bf16"
     with pytest.raises(BackendError, match="cpu_precision=bf16 runs in OpenVINO, not onnxruntime"):
         resolve_precision("bf16", "onnxruntime")
@@ -106,10 +106,10 @@ def test_auto_is_int8_where_the_cpu_has_no_bf16_and_calibration_data_is_given_an
     monkeypatch, caplog, tmp_path
 ):
     """On a CPU without native bf16, auto runs int8 when it has CTs to calibrate on (int8 then proves itself against
-    f32: scripts/int8.py), else f32 with the way to int8; on a CPU with bf16, bf16 whatever is given."""
-    caplog.set_level(logging.INFO, logger="scripts.backends")
-    monkeypatch.setattr("scripts.backends.native_bf16", lambda: False)
-    monkeypatch.setattr("scripts.backends.cpu_isa", lambda: "avx2")
+    f32: scripts/inference/int8.py), else f32 with the way to int8; on a CPU with bf16, bf16 whatever is given."""
+    caplog.set_level(logging.INFO, logger="scripts.inference.backends")
+    monkeypatch.setattr("scripts.inference.backends.native_bf16", lambda: False)
+    monkeypatch.setattr("scripts.inference.backends.cpu_isa", lambda: "avx2")
     datalist = tmp_path / "datalist.json"
     datalist.write_text("{}")
     assert resolve_precision("auto", "openvino", str(datalist)) == "int8"
@@ -122,16 +122,16 @@ def test_auto_is_int8_where_the_cpu_has_no_bf16_and_calibration_data_is_given_an
     monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None if name == "nncf" else object())
     assert resolve_precision("auto", "openvino", str(datalist)) == "f32"
     assert "; and pip install -r requirements-int8.txt" in caplog.text
-    monkeypatch.setattr("scripts.backends.native_bf16", lambda: True)
+    monkeypatch.setattr("scripts.inference.backends.native_bf16", lambda: True)
     assert resolve_precision("auto", "openvino", str(datalist)) == "bf16"
 
 
 def test_a_cap_on_onednns_instruction_set_makes_the_cpu_one_without_bf16(monkeypatch):
     """ONEDNN_MAX_CPU_ISA=AVX2 runs an AVX2 CPU's kernels on a newer one (docs/inference.md says what it reproduces):
     the bundle then judges the CPU as it runs, without bf16 or VNNI."""
-    from scripts.cpus import cpu_isa
+    from scripts.common.cpus import cpu_isa
 
-    monkeypatch.setattr("scripts.backends.cpu_isa", lambda: "avx2")
+    monkeypatch.setattr("scripts.inference.backends.cpu_isa", lambda: "avx2")
     native_bf16.cache_clear()
     try:
         assert not native_bf16()
@@ -143,8 +143,8 @@ def test_a_cap_on_onednns_instruction_set_makes_the_cpu_one_without_bf16(monkeyp
 
 
 class Windows:
-    """A calibration as :class:`scripts.calibration.Calibration` is to the backend: a key, and windows (calibration's
-    and the check's) when asked."""
+    """A calibration as :class:`scripts.inference.calibration.Calibration` is to the backend: a key, and windows
+    (calibration's and the check's) when asked."""
 
     def __init__(self, key: str, seed: int = 0, count: int = 4) -> None:
         self.key, self.asked, self.checked, self.count = key, 0, 0, count
@@ -202,12 +202,12 @@ def test_int8_is_checked_against_f32_once_per_cpu_kind_and_refused_int8_runs_f32
     """The quantised model is run beside f32 on windows calibration never saw, on this CPU; one that fails the guard
     is not used (the network runs f32 and says why, the reports say f32), and int8.json keeps the decision for this
     CPU kind: the next run neither quantises nor checks again. Another CPU kind checks the same model anew."""
-    from scripts import int8
+    from scripts.inference import int8
 
     caplog.set_level(logging.INFO)
     network, weights = saved(small_network(0), tmp_path / "model.pt")
     folder = tmp_path / "model.pt.onnx.openvino-int8"
-    monkeypatch.setattr("scripts.int8.cpu_isa", lambda: "avx2")
+    monkeypatch.setattr("scripts.inference.int8.cpu_isa", lambda: "avx2")
     monkeypatch.setitem(int8.GUARD, "agreement", 1.01)  # no model can pass: the refusal path
     first = Windows("calibration-a")
     refused = openvino_network(network, weights, WINDOW, precision="int8", calibration=first)
@@ -224,7 +224,7 @@ def test_int8_is_checked_against_f32_once_per_cpu_kind_and_refused_int8_runs_f32
     again = Windows("calibration-a")
     assert openvino_network(network, weights, WINDOW, precision="int8", calibration=again).precision == "f32"
     assert (again.asked, again.checked) == (0, 0) and "int8 refused (earlier)" in caplog.text
-    monkeypatch.setattr("scripts.int8.cpu_isa", lambda: "avx512_core_vnni")
+    monkeypatch.setattr("scripts.inference.int8.cpu_isa", lambda: "avx512_core_vnni")
     other_cpu = Windows("calibration-a")
     accepted = openvino_network(network, weights, WINDOW, precision="int8", calibration=other_cpu)
     assert (accepted.precision, accepted.fallback, other_cpu.asked, other_cpu.checked) == ("int8", None, 0, 1)
@@ -243,7 +243,7 @@ NATIVE_BF16 = pytest.mark.skipif(not CPU_BF16, reason="this CPU does not compute
 def test_openvino_gives_torchs_output_and_loads_its_compiled_model_the_second_time(
     tmp_path, caplog, precision, tolerance
 ):
-    caplog.set_level(logging.INFO, logger="scripts.backends")
+    caplog.set_level(logging.INFO, logger="scripts.inference.backends")
     network, weights = saved(small_network(0), tmp_path / "model.pt")
     first = openvino_network(network, weights, WINDOW, precision=precision)
     second = openvino_network(network, weights, WINDOW, precision=precision)
@@ -263,7 +263,7 @@ def test_openvino_gives_torchs_output_and_loads_its_compiled_model_the_second_ti
 
 def test_windows_run_side_by_side_in_their_order_and_one_compiled_model_serves_any_number_of_streams(tmp_path, caplog):
     """A batch of windows goes to OpenVINO's streams as each is free; the logits come back in the batch's order."""
-    caplog.set_level(logging.INFO, logger="scripts.backends")
+    caplog.set_level(logging.INFO, logger="scripts.inference.backends")
     network, weights = saved(small_network(0), tmp_path / "model.pt")
     model_file = onnx_file(network, weights, WINDOW)
     one = OpenVinoNetwork(model_file, threads=2, precision="f32", streams=1)
@@ -374,7 +374,7 @@ def test_an_ensemble_with_mirror_tta_in_the_sliding_window_agrees_with_torch(tmp
 def test_threads_are_the_cpus_this_process_may_use(tmp_path, monkeypatch):
     """ONNX Runtime's threads: usable_cpus (the affinity mask and a cgroup quota, tested in test_cpus.py)."""
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5}, raising=False)
-    monkeypatch.setattr("scripts.cpus.cgroup_cpu_quota", lambda root: 2.5)
+    monkeypatch.setattr("scripts.common.cpus.cgroup_cpu_quota", lambda root: 2.5)
     network, weights = saved(small_network(0), tmp_path / "model.pt")
     session = onnx_network(network, weights, WINDOW).session
     assert session.get_session_options().intra_op_num_threads == 3, "Docker --cpus 2.5 on 6 CPUs: 3 threads"
@@ -420,7 +420,7 @@ def test_a_network_without_parameters_runs_on_the_onnx_backend_as_in_torch(tmp_p
 def test_the_export_is_keyed_by_the_weights_the_network_holds_not_by_its_file(tmp_path, exports):
     """The same tensors loaded from another file, or laid out channels-last, find the export; one value changed does
     not (weights_sha256)."""
-    from scripts.backends import weights_sha256
+    from scripts.inference.backends import weights_sha256
 
     network, weights = saved(small_network(0), tmp_path / "model.pt")
     onnx_file(network, weights, WINDOW)
@@ -439,12 +439,12 @@ def test_the_export_is_keyed_by_the_weights_the_network_holds_not_by_its_file(tm
 def test_a_released_openvino_network_is_freed_with_its_threads_and_a_dropped_one_is_kept(tmp_path):
     """A server that compiles new weights releases the old compiled model: nothing of it stays (no callback of
     OpenVINO's holds a reference back to it), so threads do not grow with each new set of weights. A network a run
-    merely drops keeps OpenVINO's objects for the life of the process (scripts.backends._KEPT: destroyed after a
-    fork, they corrupt the heap; a later test)."""
+    merely drops keeps OpenVINO's objects for the life of the process (scripts.inference.backends._KEPT: destroyed after
+    a fork, they corrupt the heap; a later test)."""
     import gc
     import weakref
 
-    from scripts.backends import _KEPT
+    from scripts.inference.backends import _KEPT
 
     network, weights = saved(small_network(0), tmp_path / "model.pt")
     model_file = onnx_file(network, weights, WINDOW)
@@ -474,7 +474,7 @@ import gc, subprocess, sys, tempfile, torch
 from pathlib import Path
 sys.path[:0] = [sys.argv[1], sys.argv[1] + "/tests"]
 from test_backends import WINDOW, CollectsGarbage, saved, small_network
-from scripts.backends import OpenVinoNetwork, onnx_file
+from scripts.inference.backends import OpenVinoNetwork, onnx_file
 network, weights = saved(small_network(0), Path(tempfile.mkdtemp()) / "model.pt")
 model_file, x = onnx_file(network, weights, WINDOW), torch.rand(2, 1, *WINDOW)
 networks = [OpenVinoNetwork(model_file, threads=2, precision="f32") for _ in range(2)]
@@ -495,7 +495,7 @@ RELEASE_CYCLES = """
 import sys
 sys.path[:0] = [{root!r}, {tests!r}]
 import torch
-from scripts.backends import OpenVinoNetwork
+from scripts.inference.backends import OpenVinoNetwork
 x = torch.rand(4, 1, 16, 16, 8)
 for cycle in range(40):
     network = OpenVinoNetwork({model!r}, threads=2, precision="f32")
@@ -551,7 +551,7 @@ def test_a_worker_forked_after_openvino_started_ends_though_it_collects_an_inher
     """DataLoader workers are forked from a process whose OpenVINO networks run already. OpenVINO's destructor waits
     for its streams' threads, which a forked child does not have: a worker whose garbage collection freed an inherited
     network (a dropped run's object graph, a cycle its process had not collected yet) waited forever (this test, with
-    the network left out of scripts.backends._OPENVINO_NETWORKS, timed out). The child never destroys what it
+    the network left out of scripts.inference.backends._OPENVINO_NETWORKS, timed out). The child never destroys what it
     inherited now, and the worker's item comes."""
     import gc
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from monai.data import MetaTensor
-from scripts.batches import case_id_of, label_map, merged_items
+from scripts.inference.batches import case_id_of, label_map, merged_items
 
 
 def engine_with(batch, output) -> SimpleNamespace:

@@ -38,7 +38,7 @@ def test_the_benchmark_prints_a_row_per_case_and_backend(tmp_path, monkeypatch):
     assert thorax["windows"] < body["windows"] == body["windows_whole_input"], "the arms and abdomen are left out"
     agreement = report["agreement"]["tiny"]  # random weights: the windows' placement changes their output
     assert agreement["backends"] is None and 0.5 < agreement["regions_in_box"] <= 1.0
-    from scripts.int8 import GUARD
+    from scripts.inference.int8 import GUARD
 
     assert GUARD["agreement"] == 0.99 and GUARD["tumour_dice"] == 0.99, "int8's guard is the product's again after it"
     assert "| tiny (128x128x40) | torch | thorax |" in printed.getvalue()

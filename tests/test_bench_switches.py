@@ -70,7 +70,7 @@ def test_every_set_gives_the_config_values_of_the_types_it_reads(name):
 def test_an_only_that_matches_no_row_and_a_misspelt_option_fail_naming_the_choices(tmp_path):
     """--only "channel_last" printed an empty table with status 0; --onlyy reached every row as a new config id.
     Both now fail before any row runs."""
-    from scripts.config import ConfigError
+    from scripts.common.config import ConfigError
 
     with pytest.raises(SystemExit, match=r"--only 'channel_last' is in no row's name; the rows: .*channels_last"):
         run(output_dir=str(tmp_path), only="channel_last")

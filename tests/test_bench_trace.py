@@ -10,7 +10,7 @@ import re
 
 import pytest
 from benchmarks import bench_trace as bt
-from scripts import summarize_trace as st
+from scripts.profiling import summarize_trace as st
 
 SMALL, SCALE = 400_000, 0.1  # bytes, operators per section: three steps of about 130 kB
 

@@ -13,8 +13,8 @@ from types import SimpleNamespace
 
 import pytest
 from ignite.engine import Engine
-from scripts import benchmark
-from scripts.benchmark import StepTimer, busy_fraction, tflop_per_patch
+from scripts.profiling import benchmark
+from scripts.profiling.benchmark import StepTimer, busy_fraction, tflop_per_patch
 
 DATA_S, STEP_S, WARMUP_STEP_S = 0.020, 0.040, 0.300
 WARMUP, STEPS = 2, 5

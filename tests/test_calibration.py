@@ -1,5 +1,5 @@
-"""int8's calibration windows (scripts/calibration.py): the very windows inference's sliding window runs over each
-calibration CT, spread over its region and over the source's cases; a key that changes with the cases, their number
+"""int8's calibration windows (scripts/inference/calibration.py): the very windows inference's sliding window runs over
+each calibration CT, spread over its region and over the source's cases; a key that changes with the cases, their number
 and the settings; a training run's datalist gives its training cases only; the chest phantom through the config's own
 preprocessing when no source is given; a clear error for a source that holds no CT."""
 
@@ -14,9 +14,9 @@ import pytest
 import torch
 from conftest import ROOT
 from monai.transforms import Orientationd, ScaleIntensityRanged
-from scripts.calibration import Calibration, CalibrationError
-from scripts.inferers import FallbackSlidingWindowInferer
-from scripts.phantom import chest
+from scripts.data.phantom import chest
+from scripts.inference.calibration import Calibration, CalibrationError
+from scripts.inference.inferers import FallbackSlidingWindowInferer
 
 WINDOW = (32, 32, 16)
 PREPROCESSING = [Orientationd(keys="image", axcodes="RAS"),
@@ -48,7 +48,7 @@ def inferer() -> FallbackSlidingWindowInferer:
 def every_window(path: Path, window=None) -> torch.Tensor:
     """The windows the sliding window (``window``: of another size) gives a network for this CT, recorded here by a
     network of our own."""
-    from scripts.inputs import load_case
+    from scripts.inference.inputs import load_case
 
     seen = []
 
@@ -165,7 +165,7 @@ def test_a_calibration_set_beside_the_weights_travels_with_them_and_gives_the_sa
     size is refused naming it; no weights written (no validation ran), no set."""
     from types import SimpleNamespace
 
-    from scripts.calibration import SET_SUFFIX, source_for, write_set
+    from scripts.inference.calibration import SET_SUFFIX, source_for, write_set
 
     weights = tmp_path / "model.pt"
     assert source_for(None, weights) is None and source_for("null", weights) is None

@@ -14,8 +14,8 @@ import pytest
 import torch
 from ignite.engine import Engine, Events
 from monai.transforms import Compose, RandGaussianNoise
-from scripts import checkpoint as checkpoint_module
-from scripts.checkpoint import TrainingCheckpoint
+from scripts.training import checkpoint as checkpoint_module
+from scripts.training.checkpoint import TrainingCheckpoint
 
 BATCHES = [torch.linspace(-1, 1, 12).reshape(4, 3) * (i + 1) for i in range(3)]
 
@@ -186,7 +186,7 @@ def test_failed_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
 def test_resume_without_a_checkpoint_starts_fresh_with_a_warning(tmp_path, caplog):
     seed_everything(0)
     pipeline = Pipeline(init_seed=0, max_epochs=2, path=tmp_path / "none_yet.pt", resume="true")
-    with caplog.at_level(logging.WARNING, logger="scripts.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="scripts.training.checkpoint"):
         pipeline.run()
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert any("none_yet.pt" in w and "starting from epoch 1" in w for w in warnings), warnings
@@ -254,7 +254,7 @@ def test_the_last_line_names_the_weights_only_when_validation_wrote_them(tmp_pat
     case, val_interval past max_epochs) says no weights file was written and where its last state is."""
     from types import SimpleNamespace
 
-    from scripts.checkpoint import final_line
+    from scripts.training.checkpoint import final_line
 
     validated = SimpleNamespace(best_metric=0.91664, best_metric_epoch=8)
     assert final_line(validated, tmp_path / "model.pt", tmp_path / "checkpoints" / "latest.pt") == (
@@ -269,16 +269,20 @@ def test_the_last_line_names_the_weights_only_when_validation_wrote_them(tmp_pat
 def test_a_new_run_names_the_state_and_weights_it_will_replace_and_what_keeps_each(tmp_path, monkeypatch, caplog):
     """A run that does not resume warns for an existing checkpoint (with its epoch, read without the tensors) and
     existing weights; a resumed run, another rank of a DDP launch, or an empty folder says nothing."""
-    from scripts.checkpoint import warn_before_replacing
+    from scripts.training.checkpoint import warn_before_replacing
 
     monkeypatch.delenv("RANK", raising=False)
     latest, weights = tmp_path / "checkpoints" / "latest.pt", tmp_path / "model.pt"
     assert warn_before_replacing(latest, weights, False) == [], "nothing there yet"
     Pipeline(init_seed=0, max_epochs=2, path=latest).run()
     torch.save({"w": torch.zeros(1)}, weights)
-    with caplog.at_level(logging.WARNING, logger="scripts.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="scripts.training.checkpoint"):
         checkpoint, model = warn_before_replacing(latest, weights, "false")
-    warned = [r.getMessage() for r in caplog.records if r.name == "scripts.checkpoint" and r.levelno == logging.WARNING]
+    warned = [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "scripts.training.checkpoint" and r.levelno == logging.WARNING
+    ]
     assert warned == [checkpoint, model]
     assert checkpoint.startswith(f"{latest} holds the training state of epoch 2 of another run")
     assert "replaces it after its first epoch" in checkpoint and "--resume true" in checkpoint

@@ -10,9 +10,9 @@ import subprocess
 import sys
 
 import pytest
-from scripts.cli import command
-from scripts.prepare import prepare
-from scripts.tcia import download
+from scripts.common.cli import command
+from scripts.data.prepare import prepare
+from scripts.data.tcia import download
 
 
 def convert(dataset_dir: str, limit: int | None = None, *, dry_run: bool = False) -> dict:
@@ -126,9 +126,9 @@ def test_the_bundle_error_inside_monais_wrapper_is_found_whatever_its_class():
     """monai.bundle run wraps what a config expression raises in a RuntimeError: the bundle's own error is found in
     the chain, one of its classes (ConfigError) or a built-in class raised by its code (prepare's ValueError); an
     error no bundle code raised is not."""
-    from scripts.cli import bundle_error
-    from scripts.config import ConfigError
-    from scripts.data import fold_cases
+    from scripts.common.cli import bundle_error
+    from scripts.common.config import ConfigError
+    from scripts.data.dataset import fold_cases
 
     def wrapped(call):
         try:
@@ -151,7 +151,7 @@ def test_a_failed_bundle_run_ends_with_the_bundles_message_after_the_traceback(r
     an error of the bundle that is not wrapped (its own message already ends the traceback) is not repeated; Ctrl-C
     is one line, not a traceback."""
     code = (
-        "import scripts.cli as cli, scripts.config as config\n"
+        "import scripts.common.cli as cli, scripts.common.config as config\n"
         "cli.summarise_errors(); cli.summarise_errors()\n"
         "try:\n    config.check_roi_size([64, 64, 40])\n"
         "except Exception as err:\n    raise RuntimeError('Failed to evaluate ConfigExpression') from err\n"
@@ -161,10 +161,13 @@ def test_a_failed_bundle_run_ends_with_the_bundles_message_after_the_traceback(r
     assert result.returncode == 1 and "Traceback (most recent call last):" in result.stderr
     assert lines[-1].startswith("ConfigError: roi_size=[64, 64, 40]: each side must be a multiple of 32")
     assert lines[-3] == "RuntimeError: Failed to evaluate ConfigExpression", "MONAI's line, then the bundle's"
-    bare = "import scripts.cli as cli, scripts.config as config\ncli.summarise_errors()\nconfig.check_roi_size([40])\n"
+    bare = (
+        "import scripts.common.cli as cli, scripts.common.config as config\n"
+        "cli.summarise_errors()\nconfig.check_roi_size([40])\n"
+    )
     result = subprocess.run([sys.executable, "-c", bare], cwd=root, capture_output=True, text=True, timeout=120)
     assert result.stderr.count("ConfigError: roi_size=[40]") == 1
-    ctrl_c = "import scripts.cli as cli\ncli.summarise_errors()\nraise KeyboardInterrupt\n"
+    ctrl_c = "import scripts.common.cli as cli\ncli.summarise_errors()\nraise KeyboardInterrupt\n"
     result = subprocess.run([sys.executable, "-c", ctrl_c], cwd=root, capture_output=True, text=True, timeout=120)
     assert result.stderr.startswith("interrupted. Every file is written whole") and len(result.stderr.splitlines()) == 1
     assert result.returncode in (130, -2), "Python still ends as interrupted by SIGINT"

@@ -1,5 +1,5 @@
-"""scripts.compilation: regional compilation compiles SwinUNETR's repeated blocks in place -- the same weights and
-state-dict keys, the same outputs and gradients -- and the bundle asks the trainer to compile only for scope whole;
+"""scripts.training.compilation: regional compilation compiles SwinUNETR's repeated blocks in place -- the same weights
+and state-dict keys, the same outputs and gradients -- and the bundle asks the trainer to compile only for scope whole;
 compile auto is on for a full GPU training and off for the demo, the benchmark and a CPU, and says why; a second
 process compiles from the compile cache the first filled (torch's hit counters) several times faster."""
 
@@ -18,8 +18,8 @@ from conftest import ROOT
 from monai.bundle import ConfigParser
 from monai.networks.nets import BasicUNet, SwinUNETR
 from monai.networks.nets.swin_unetr import WindowAttention
-from scripts.compilation import MEASURED, compile_regions, compiled_regions, decide
-from scripts.config import ConfigError
+from scripts.common.config import ConfigError
+from scripts.training.compilation import MEASURED, compile_regions, compiled_regions, decide
 
 
 def _graph_counter() -> tuple[list, object]:
@@ -47,7 +47,7 @@ def test_regional_compilation_keeps_weights_outputs_and_gradients():
     assert list(network.state_dict()) == list(plain.state_dict()), "no _orig_mod. prefix: checkpoints interchange"
     network.load_state_dict(plain.state_dict())  # and load both ways
     attentions = {type(m).__name__ for m in network.modules() if isinstance(m, WindowAttention)}
-    assert attentions == {"DenseBiasWindowAttention"}, "the bias made as one tensor (scripts/attention.py)"
+    assert attentions == {"DenseBiasWindowAttention"}, "the bias made as one tensor (scripts/training/attention.py)"
 
     x = torch.rand(2, 1, 64, 32, 32)
     out, ref = network(x), plain(x)
@@ -102,7 +102,7 @@ def test_compile_auto_weighs_the_runs_steps_against_the_measured_first_step(capl
     auto compiles from there on a GPU, never on a CPU; true and false are obeyed. Each decision is logged with its
     reason."""
     assert MEASURED.break_even_steps() == 3048
-    with caplog.at_level(logging.INFO, logger="scripts.compilation"):
+    with caplog.at_level(logging.INFO, logger="scripts.training.compilation"):
         assert decide("auto", "cuda", 3048) and not decide("auto", torch.device("cuda:1"), 3047)
         assert not decide("auto", "cpu", 10**6)
         assert decide("true", "cpu", 1) and not decide(False, "cuda", 10**6)
@@ -142,7 +142,7 @@ CHILD = """
 import json, sys, time
 import torch
 from monai.networks.nets.swin_unetr import SwinTransformerBlock
-from scripts.compilation import cache_counters, compile_regions
+from scripts.training.compilation import cache_counters, compile_regions
 
 class Block(torch.nn.Module):  # a Swin block of the network, its window attention with the bias operator
     def __init__(self):

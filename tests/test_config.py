@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from scripts.config import ConfigError, as_bool, check_config, check_roi_size
+from scripts.common.config import ConfigError, as_bool, check_config, check_roi_size
 
 GOOD = {"labels": ["GTV-1"], "roi_size": [96, 96, 96], "spacing": [1.0, 1.0, 3.0], "hu_window": [-1000, 500]}
 
@@ -38,7 +38,7 @@ def test_unclear_flag_is_refused():
 def test_flags_are_read_by_monais_own_rule():
     """as_bool keeps MONAI's str2bool words without importing MONAI: the same answer for every word, any case."""
     from monai.utils import str2bool
-    from scripts.config import FALSE_WORDS, TRUE_WORDS
+    from scripts.common.config import FALSE_WORDS, TRUE_WORDS
 
     for word in (*TRUE_WORDS, *FALSE_WORDS):
         for text in (word, word.upper(), f" {word.title()} "):
@@ -54,7 +54,7 @@ def test_an_override_no_config_defines_fails_with_the_closest_ids(root):
     """`--max_epoch 2` (a typo) was added by MONAI as a new id that nothing reads, and the run went on with
     max_epochs' default. Known ids pass, whatever lies below their first part (a component's new argument), as do
     MONAI's own options; a command line that is not monai.bundle's is not checked."""
-    from scripts.config import check_overrides
+    from scripts.common.config import check_overrides
 
     main = "/venv/lib/python3.11/site-packages/monai/bundle/__main__.py"
     configs = str([str(root / "configs" / "train.yaml"), str(root / "configs" / "demo.yaml")])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 import pytest
-import scripts.cpus as cpus
+import scripts.common.cpus as cpus
 
 
 def test_usable_cpus_are_the_affinity_mask_reduced_to_a_cgroup_quota(monkeypatch):

@@ -10,7 +10,7 @@ import pytest
 import torch
 import yaml
 from conftest import ROOT, configs
-from scripts import cross_validation as cv
+from scripts.evaluation.case_metrics import cross_validation as cv
 
 
 def rows(dice: list[float], name: str = "GTV-1") -> list[dict]:
@@ -129,7 +129,7 @@ def test_evaluation_in_this_process_leaves_out_the_configs_that_join_a_torchrun_
     joining = sorted(p.name for p in (ROOT / "configs").glob("*.yaml") if cv.joins_process_group(p))
     assert joining == ["multi_gpu_evaluate.yaml", "multi_gpu_train.yaml"]
     own = tmp_path / "my_cluster.json"
-    own.write_text(json.dumps({"distributed_setup": "$@scripts.distributed.setup('gloo')", "max_epochs": 3}))
+    own.write_text(json.dumps({"distributed_setup": "$@scripts.training.distributed.setup('gloo')", "max_epochs": 3}))
     kept = tmp_path / "my_settings.yaml"
     kept.write_text("distributed_setup: null\nmax_epochs: 3\n")
     assert cv.joins_process_group(own) and not cv.joins_process_group(kept)

@@ -53,7 +53,7 @@ def deployed(tmp_path_factory):
     import torch
     from conftest import save_weights
     from monai.bundle import ConfigWorkflow, ckpt_export
-    from scripts.synthetic import write_case
+    from scripts.data.synthetic import write_case
 
     tmp = tmp_path_factory.mktemp("deploy")
     torch.manual_seed(0)
@@ -106,13 +106,13 @@ def test_deploy_builds_the_bundle_ids_from_model_ts_alone(deployed):
         assert built[name] == [type(t).__name__ for t in parser.get_parsed_content(name).transforms], name
     assert built["preprocessing"][0] == "EnsureChannelFirstd"
     assert "Invertd" in built["postprocessing"]
-    assert "Cannot locate class or function path: 'scripts.inferers." in built["sliding_window_inferer"]
+    assert "Cannot locate class or function path: 'scripts.inference.inferers." in built["sliding_window_inferer"]
 
 
 def test_deploy_reads_the_series_as_our_reader_does(deployed):
     """Deploy's DICOMSeriesToVolumeOperator gives the same HU on the same grid (its array is slices, rows, columns;
-    its NIfTI affine is RAS) as scripts.dicom.read_ct_series."""
-    from scripts.dicom import read_ct_series
+    its NIfTI affine is RAS) as scripts.data.dicom.read_ct_series."""
+    from scripts.data.dicom import read_ct_series
 
     truth, _, out = deployed
     ct = read_ct_series(truth["image_dir"])

@@ -15,7 +15,7 @@ import torch
 from conftest import configs, workflow_run
 from monai.bundle import ConfigParser
 from monai.transforms import ToDeviced
-from scripts.weights import save_weights
+from scripts.training.weights import save_weights
 
 ROOT = Path(__file__).resolve().parents[1]
 CUDA = pytest.param(

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from scripts.dicom.case import read_case
-from scripts.synthetic import write_case
+from scripts.data.dicom.case import read_case
+from scripts.data.synthetic import write_case
 
 
 @pytest.fixture(scope="module")

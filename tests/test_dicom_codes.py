@@ -7,7 +7,7 @@ from __future__ import annotations
 import highdicom as hd
 import pytest
 from pydicom.sr.codedict import codes
-from scripts.dicom.codes import segment_description
+from scripts.data.dicom.codes import segment_description
 
 
 def coded(description: hd.seg.SegmentDescription) -> tuple[tuple[str, str, str], tuple[str, str, str]]:

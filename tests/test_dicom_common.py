@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from scripts.dicom.common import sop_class_of
-from scripts.synthetic import write_case
+from scripts.data.dicom.common import sop_class_of
+from scripts.data.synthetic import write_case
 
 
 @pytest.fixture(scope="module")

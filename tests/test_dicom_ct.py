@@ -20,9 +20,9 @@ from dicom_factory import (
     uneven_series,
     write_series,
 )
-from scripts.dicom import DicomCaseError, read_case, read_ct_series, scan_ct_series, to_hu
-from scripts.dicom.ct import read_hu
-from scripts.synthetic import write_case
+from scripts.data.dicom import DicomCaseError, read_case, read_ct_series, scan_ct_series, to_hu
+from scripts.data.dicom.ct import read_hu
+from scripts.data.synthetic import write_case
 
 SHAPE = (64, 64, 24)
 
@@ -129,7 +129,7 @@ def test_the_fast_slice_conversion_equals_pydicoms_decoder_and_the_formula(
     expected = to_hu(ds.pixel_array, ds)  # pydicom's decoder, then the formula
     out = np.empty((16, 20), np.int16)
     if fast:  # the shortcut must not fall back to the generic decoder
-        monkeypatch.setattr("scripts.dicom.ct.decode", lambda *a: pytest.fail("took the generic path"))
+        monkeypatch.setattr("scripts.data.dicom.ct.decode", lambda *a: pytest.fail("took the generic path"))
     np.testing.assert_array_equal(read_hu(tmp_path / "slice.dcm", ds, out), expected)
     if padding is not None:
         assert (out[:2, :2] == -1024).all()

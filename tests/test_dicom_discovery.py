@@ -1,4 +1,4 @@
-"""Cases found from DICOM headers in any folder layout (scripts/dicom/discovery.py), and prepared alike from each.
+"""Cases found from DICOM headers in any folder layout (scripts/data/dicom/discovery.py), and prepared alike from each.
 
 The layouts are written here from the synthetic cases by reading their headers with pydicom -- never with the code
 under test: TCIA's NBIA Data Retriever (its folder and file names, its metadata.csv columns, with and without the
@@ -18,12 +18,12 @@ import nibabel as nib
 import numpy as np
 import pydicom
 import pytest
-import scripts.dicom.discovery as discovery
+import scripts.data.dicom.discovery as discovery
 from pydicom.fileset import FileSet
 from pydicom.uid import generate_uid
-from scripts.dicom.discovery import scan
-from scripts.prepare import prepare
-from scripts.synthetic import write_case
+from scripts.data.dicom.discovery import scan
+from scripts.data.prepare import prepare
+from scripts.data.synthetic import write_case
 
 COLLECTION = "NSCLC-Radiomics"
 SHAPE, SPACING = (48, 48, 16), (2.0, 2.0)
@@ -327,7 +327,7 @@ def test_a_second_scan_reads_only_new_or_changed_files(tcia, tmp_path, monkeypat
 
 
 def test_a_missing_folder_or_one_without_dicom_says_what_to_give(tmp_path):
-    from scripts.prepare import PrepareError
+    from scripts.data.prepare import PrepareError
 
     with pytest.raises(PrepareError, match=r"no such folder.*Data Retriever"):
         prepare(tmp_path / "missing", tmp_path / "out", progress=False)

@@ -17,9 +17,9 @@ import pydicom
 import pytest
 from pydicom.dataset import Dataset, FileMetaDataset
 from pydicom.uid import ExplicitVRLittleEndian, RTStructureSetStorage, generate_uid
-from scripts.dicom import RTSTRUCT_STORAGE, DicomCaseError, is_rtstruct, read_ct_series, read_rtstruct_labels
-from scripts.dicom.rtstruct import _contour_data
-from scripts.synthetic import write_case
+from scripts.data.dicom import RTSTRUCT_STORAGE, DicomCaseError, is_rtstruct, read_ct_series, read_rtstruct_labels
+from scripts.data.dicom.rtstruct import _contour_data
+from scripts.data.synthetic import write_case
 
 PIXEL_MM, SLICE_MM = 0.7, 3.0
 SHAPE = (96, 96, 16)  # columns, rows, slices: 67 x 67 x 45 mm

@@ -1,7 +1,7 @@
 """The DICOM SEG reader, checked in world coordinates against the synthetic writer's analytic truth.
 
-The writer (scripts.synthetic) and the reader (scripts.dicom) share no geometry code, so a flip, an axis swap or an
-off-by-one slice in either shows up here as voxels outside the analytic tumour.
+The writer (scripts.data.synthetic) and the reader (scripts.data.dicom) share no geometry code, so a flip, an axis swap
+or an off-by-one slice in either shows up here as voxels outside the analytic tumour.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import pydicom
 import pytest
 from dicom_factory import Series
 from dicom_factory import write_case as write_factory_case
-from scripts.dicom import DicomCaseError, read_case
-from scripts.dicom.seg import _raw_frame_items, frame_references
-from scripts.synthetic import tumour_contains, write_case
+from scripts.data.dicom import DicomCaseError, read_case
+from scripts.data.dicom.seg import _raw_frame_items, frame_references
+from scripts.data.synthetic import tumour_contains, write_case
 
 SHAPE = (64, 64, 24)
 

@@ -1,9 +1,10 @@
-"""Which CT series of a study is the case's CT: the rule a folder and a PACS share (scripts/dicom/series_rules.py)."""
+"""Which CT series of a study is the case's CT: the rule a folder and a PACS share
+(scripts/data/dicom/series_rules.py)."""
 
 from __future__ import annotations
 
 import pytest
-from scripts.dicom.series_rules import InstanceHeader, SeriesRules, choose_series, describe_series
+from scripts.data.dicom.series_rules import InstanceHeader, SeriesRules, choose_series, describe_series
 
 CT = "1.2.840.10008.5.1.4.1.1.2"
 

@@ -1,4 +1,5 @@
-"""scripts.dicomweb against a real DICOMweb server, and inference from a PACS and back through the bundle's workflow.
+"""scripts.inference.dicomweb against a real DICOMweb server, and inference from a PACS and back through the bundle's
+workflow.
 
 The server is Orthanc with its DICOMweb plugin (Debian's ``orthanc`` and ``orthanc-dicomweb``), started here once for
 the module on 127.0.0.1 at a free port, with its own storage folder and configuration and HTTP basic authentication.
@@ -11,9 +12,9 @@ has no bearer tokens): it answers 401 unless ``Authorization: Bearer <token>`` c
 what passes with Orthanc's basic credentials. Both gateways inject the faults of a network on demand: an answer cut
 in the middle, or a refusal.
 
-Synthetic studies (``scripts.synthetic``, 64x64 pixels) are uploaded by STOW-RS once; the bundle's inference workflow
-runs twice (the demo-sized network with random weights): by StudyInstanceUIDs with basic authentication, then by a
-QIDO-RS query (modality CT, a date range) with a bearer token. The results are found again by QIDO-RS in the same
+Synthetic studies (``scripts.data.synthetic``, 64x64 pixels) are uploaded by STOW-RS once; the bundle's inference
+workflow runs twice (the demo-sized network with random weights): by StudyInstanceUIDs with basic authentication, then
+by a QIDO-RS query (modality CT, a date range) with a bearer token. The results are found again by QIDO-RS in the same
 studies and read back with highdicom. Without Orthanc, its plugin or openssl the server tests are skipped with the
 reason; ``.ci/run`` installs them.
 """
@@ -43,7 +44,7 @@ import requests
 from conftest import ROOT, bundle_run, save_weights
 from dicomweb_client.api import DICOMwebClient
 from pydicom.uid import generate_uid
-from scripts.dicomweb import DicomWeb, DicomWebError, DicomWebStoreError, RetrieveSeriesd, StoreResultsd
+from scripts.inference.dicomweb import DicomWeb, DicomWebError, DicomWebStoreError, RetrieveSeriesd, StoreResultsd
 
 ORTHANC = shutil.which("Orthanc") or shutil.which("Orthanc", path="/usr/sbin:/sbin")
 PLUGIN = next(iter(sorted(glob.glob("/usr/share/orthanc/plugins/libOrthancDicomWeb.so*")
@@ -70,8 +71,8 @@ def test_a_pacs_series_tilted_as_scanners_write_it_is_chosen_by_the_same_rule_as
     """WADO-RS metadata (DICOM JSON) of a GE-style tilted series (tilted planes, positions along z, GantryDetectorTilt)
     and of an oblique reformat: the rule folders use takes the first as axial with its angle, the second not."""
     from dicom_factory import Series, ct_slice
-    from scripts.dicom.series_rules import choose_series
-    from scripts.dicomweb import describe_series
+    from scripts.data.dicom.series_rules import choose_series
+    from scripts.inference.dicomweb import describe_series
 
     def metadata(**options) -> list[dict]:
         series = Series(**options)
@@ -327,7 +328,7 @@ def studies(orthanc, tmp_path_factory):
     slices, the same resampled to 3 mm (20 slices) and a 2-image scout; C only a 4-slice CT (no usable series); F
     (dated 2024, outside the workflow's query) for the tests of storing. Each study's CT slices as written are kept
     to compare with."""
-    from scripts.synthetic import write_case
+    from scripts.data.synthetic import write_case
 
     tmp = tmp_path_factory.mktemp("studies")
     made: dict[str, dict] = {}
@@ -406,7 +407,7 @@ def test_a_missing_study_or_series_is_a_404_naming_the_url(gateway, certificate,
 
 @needs_orthanc
 def test_a_transfer_cut_midway_is_resumed_and_the_series_arrives_whole(gateway, certificate, studies, caplog):
-    caplog.set_level(logging.INFO, logger="scripts.dicomweb")
+    caplog.set_level(logging.INFO, logger="scripts.inference.dicomweb")
     study, ct = studies["A"]["study"], studies["A"]["ct"]
     gateway.faults = [[rf"GET .*/series/{ct[0].SeriesInstanceUID}$", "cut", 1]]
     retrieve = RetrieveSeriesd(server_of(gateway, certificate))
@@ -458,7 +459,7 @@ def token_file(folder: Path, token: str = TOKEN) -> Path:
 @pytest.fixture(scope="module")
 def our_seg(studies, tmp_path_factory) -> Path:
     """A DICOM SEG written by the bundle's writer on study F's CT (a block of tumour), as inference writes one."""
-    from scripts.writers.seg import algorithm_identification, write_dicom_seg
+    from scripts.inference.writers.seg import algorithm_identification, write_dicom_seg
 
     labels = np.zeros(SHAPE, np.uint8)
     labels[20:30, 20:30, 8:14] = 1

@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from scripts import distributed
+from scripts.training import distributed
 
 
 def cases(n: int) -> list[dict]:

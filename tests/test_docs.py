@@ -400,15 +400,15 @@ def test_each_default_a_page_states_is_the_configs(page, words, config, values):
 
 def test_num_workers_auto_on_a_cpu_is_the_usable_cpus_less_one_at_most_4(monkeypatch):
     """docs/training.md: ``num_workers: auto`` is the usable CPUs less one, at most 4 on a CPU (not on a GPU)."""
-    import scripts.data
+    import scripts.data.dataset
 
     text = re.sub(r"\s+", " ", (ROOT / "docs" / "training.md").read_text())
     assert "the usable CPUs less one, at most 4 on a CPU" in text
-    monkeypatch.setattr(scripts.data, "usable_cpus", lambda: 64)
-    assert scripts.data.loader_workers("auto", "cpu") == 4
-    assert scripts.data.loader_workers("auto", "cuda") == 63
-    monkeypatch.setattr(scripts.data, "usable_cpus", lambda: 3)
-    assert scripts.data.loader_workers("auto", "cpu") == 2
+    monkeypatch.setattr(scripts.data.dataset, "usable_cpus", lambda: 64)
+    assert scripts.data.dataset.loader_workers("auto", "cpu") == 4
+    assert scripts.data.dataset.loader_workers("auto", "cuda") == 63
+    monkeypatch.setattr(scripts.data.dataset, "usable_cpus", lambda: 3)
+    assert scripts.data.dataset.loader_workers("auto", "cpu") == 2
 
 
 def test_the_gpu_kits_budget_is_the_one_the_readme_states():

@@ -12,8 +12,8 @@ from typing import ClassVar
 import pytest
 import torch
 from conftest import save_weights as save
-from scripts.ensemble import EnsembleNetwork, Models, ensemble, find_models, mirror_flips
-from scripts.inferers import FallbackSlidingWindowInferer
+from scripts.inference.ensemble import EnsembleNetwork, Models, ensemble, find_models, mirror_flips
+from scripts.inference.inferers import FallbackSlidingWindowInferer
 
 ALL_FLIPS = [(), (2,), (3,), (4,), (2, 3), (2, 4), (3, 4), (2, 3, 4)]
 

@@ -14,8 +14,8 @@ import torch
 from ignite.engine import Engine
 from monai.data import MetaTensor
 from PIL import Image
-from scripts import figures
-from scripts.figures import BOTH_RGB, PRED_RGB, TRUTH_RGB, ValidationPicture, png_bytes, render_case, to_lps
+from scripts.inference import figures
+from scripts.inference.figures import BOTH_RGB, PRED_RGB, TRUTH_RGB, ValidationPicture, png_bytes, render_case, to_lps
 from tensorboard.backend.event_processing.event_accumulator import IMAGES, EventAccumulator
 
 # RAS affine of a volume whose voxel axes point L, P, S: x and y run against RAS, anisotropic spacing, an origin

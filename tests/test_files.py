@@ -11,8 +11,8 @@ from pathlib import Path
 import nibabel as nib
 import numpy as np
 import pytest
-import scripts.files
-from scripts.files import csv_text, replace_atomically, save_nifti, write_json, write_text
+import scripts.common.files
+from scripts.common.files import csv_text, replace_atomically, save_nifti, write_json, write_text
 
 
 def test_successful_write_puts_the_file_in_place_and_leaves_no_temporary(tmp_path):
@@ -113,7 +113,7 @@ def test_save_nifti_writes_in_one_piece_the_bytes_nibabel_writes(tmp_path, monke
     """Volumes in NIfTI order (as the DICOM readers make them) are written header-then-memory, gzipped in large
     chunks: the same bytes as nibabel.save, gzip header and compressed stream included; any other layout goes through
     nibabel itself."""
-    monkeypatch.setattr(scripts.files, "NIFTI_GZIP_CHUNK", 1000)  # several zlib calls even for a small volume
+    monkeypatch.setattr(scripts.common.files, "NIFTI_GZIP_CHUNK", 1000)  # several zlib calls even for a small volume
     rng = np.random.default_rng(1)
     volume = np.asfortranarray(rng.integers(0, 120, size=(9, 8, 7)).astype(dtype))
     affine = lps_like_affine()
@@ -150,14 +150,14 @@ def test_csv_text_has_the_header_in_order_and_floats_to_six_digits():
      ("a b\tc", "a_b_c"), ("1.2.840.1", "1.2.840.1"), ("张伟" * 40, "张伟" * 21)],
 )  # fmt: skip
 def test_safe_names_carry_any_script_and_never_a_path(text, expected):
-    from scripts.files import safe_name
+    from scripts.common.files import safe_name
 
     assert safe_name(text) == expected
     assert len(safe_name(text).encode("utf-8")) <= 128 and "/" not in safe_name(text)
 
 
 def test_unique_names_count_on_from_two():
-    from scripts.files import unique_name
+    from scripts.common.files import unique_name
 
     taken: set[str] = set()
     assert [unique_name(n, taken) for n in ("a", "a", "b", "a")] == ["a", "a_2", "b", "a_3"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from scripts.geometry import spacing_of, voxel_volume_ml
+from scripts.common.geometry import spacing_of, voxel_volume_ml
 
 
 def test_spacing_comes_from_the_affine_columns():

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 from ignite.engine import Engine
-from scripts import gpu_monitor
-from scripts.gpu_monitor import GpuMonitor, detect
+from scripts.profiling import gpu_monitor
+from scripts.profiling.gpu_monitor import GpuMonitor, detect
 
 # two alternating nvidia-smi outputs: GPU 0 at 20 % then 60 %, GPU 1 always 90 %
 NVIDIA_A = "0, NVIDIA H100 80GB HBM3, 20, 1000, 81559\n1, NVIDIA H100 80GB HBM3, 90, 30000, 81559\n"
@@ -94,7 +94,7 @@ def wait_for_rows(path: Path, n: int, timeout_s: float = 2.0) -> None:
 
 
 def monitor_records(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
-    return [r for r in caplog.records if r.name == "scripts.gpu_monitor" and r.levelno >= logging.INFO]
+    return [r for r in caplog.records if r.name == "scripts.profiling.gpu_monitor" and r.levelno >= logging.INFO]
 
 
 def test_nvidia_smi_two_gpus_csv_png_and_summary(tools, tmp_path: Path) -> None:
@@ -165,7 +165,7 @@ def test_no_working_backend_writes_nothing_and_logs_once(
     tools("rocm-smi", "/bin/echo '{not json'\n")
     tools("amd-smi", "exit 2\n")
     out = tmp_path / "run"
-    caplog.set_level(logging.DEBUG, logger="scripts.gpu_monitor")
+    caplog.set_level(logging.DEBUG, logger="scripts.profiling.gpu_monitor")
     monitor = GpuMonitor(out, interval_s=0.05)
     with monitor:
         assert not monitor.running
@@ -249,9 +249,9 @@ def test_enabled_string_true_plot_false_and_idempotent_start_stop(tools, tmp_pat
 
 def test_only_rank0_samples(tools, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     cat(tools, "nvidia-smi", NVIDIA_A, tmp_path)
-    import scripts.distributed
+    import scripts.training.distributed
 
-    monkeypatch.setattr(scripts.distributed, "rank", lambda: 1)
+    monkeypatch.setattr(scripts.training.distributed, "rank", lambda: 1)
     with GpuMonitor(tmp_path / "rank1", interval_s=0.05) as monitor:
         assert not monitor.running
     assert not (tmp_path / "rank1").exists()

@@ -127,7 +127,7 @@ def test_the_kernel_class_tables_of_a_gpu_run_in_the_report(dry_run, tmp_path):
     """On a GPU both tables come from traces with kernels (here the H200 runs' in tests/data/h200/: the first run's
     profile for the defaults, the tiny kit run's busy steps for the fastest row); the fastest row is the one with the
     most patches a second, whose trace the report reads, with the row's own GPU-busy share beside the table."""
-    from scripts.summarize_trace import summarize
+    from scripts.profiling.summarize_trace import summarize
 
     profile = str(ROOT / "tests" / "data" / "h200" / "4-chrome_trace.json.gz")
     trace = str(ROOT / "tests" / "data" / "h200" / "busy_steps_trace.json.gz")
@@ -357,8 +357,8 @@ def test_a_short_budget_drops_the_earlier_rows_never_the_new_ones():
 
 
 def test_the_cuda_graph_check_trains_monais_way_and_the_graphed_way_and_fails_without_a_capture(tmp_path):
-    """The check's helper on a CPU (the dry run's network, 3 steps): MONAI's own iteration and scripts.graphs' train
-    the same weights, bitwise (on a CPU every step is eager); the step, given those numbers, fails because nothing
+    """The check's helper on a CPU (the dry run's network, 3 steps): MONAI's own iteration and scripts.training.graphs'
+    train the same weights, bitwise (on a CPU every step is eager); the step, given those numbers, fails because nothing
     was captured, and passes a graphed run that captured and replayed with the losses and weights alike."""
     out = tmp_path / "cuda_graphs.json"
     helper_cuda_graphs(str(out), {k: v for k, v in DRY.settings.items() if k != "device"}, steps=3, device="cpu")
@@ -407,7 +407,7 @@ def test_the_trace_check_passes_on_the_first_h200_profile():
     """The first GPU run's profile (tests/data/h200/: its chrome trace and key_averages(), as the kit wrote them on one
     H200): CUDA gives two rows per range, and the check reads the CPU row's CPU time (the summariser's 0.494 s for two
     steps) and the device row's kernel time, so every check holds where the kit reported a false disagreement."""
-    from scripts.summarize_trace import summarize
+    from scripts.profiling.summarize_trace import summarize
 
     data = ROOT / "tests" / "data" / "h200"
     summary = summarize(data / "4-chrome_trace.json.gz")

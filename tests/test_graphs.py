@@ -1,5 +1,5 @@
-"""scripts.graphs: the training step a CUDA graph captures, run eagerly, is MONAI's SupervisedTrainer iteration (the
-same losses, gradients, weights after N steps and random-number stream); around the capture, with a stand-in graph
+"""scripts.training.graphs: the training step a CUDA graph captures, run eagerly, is MONAI's SupervisedTrainer iteration
+(the same losses, gradients, weights after N steps and random-number stream); around the capture, with a stand-in graph
 that keeps a CUDA graph's contract on the CPU, the warm-up, the static buffers, the replays and every fallback to eager
 train the same weights as MONAI and say why. The capture itself needs a GPU: the kit's cuda_graphs step proves it."""
 
@@ -18,8 +18,8 @@ from monai.handlers import LrScheduleHandler
 from monai.losses import DiceCELoss
 from monai.networks.nets import BasicUNet
 from monai.optimizers import WarmupCosineSchedule
-from scripts.config import ConfigError
-from scripts.graphs import GraphedIteration, training_iteration
+from scripts.common.config import ConfigError
+from scripts.training.graphs import GraphedIteration, training_iteration
 
 SHAPE = (2, 1, 32, 32, 16)
 
@@ -138,7 +138,7 @@ def test_the_step_run_eagerly_is_monais_iteration(amp, caplog):
     autocast and GradScaler are off without CUDA, but their code path runs)."""
     net, data = network(dropout=0.2), batches(4)
     reference = Run(net, data, amp=amp).run()
-    with caplog.at_level(logging.INFO, logger="scripts.graphs"):
+    with caplog.at_level(logging.INFO, logger="scripts.training.graphs"):
         run = Run(net, data, lambda _: GraphedIteration(), amp=amp).run()
     iteration = run.iteration
     assert_same_training(run, reference)
@@ -182,7 +182,7 @@ def test_another_shape_runs_eagerly_and_a_new_grad_scaler_is_captured_again(stan
             engine.scaler = object()  # amp is off: the scaler is only compared, never used
 
     run.trainer.add_event_handler(Events.ITERATION_COMPLETED, new_scaler)
-    with caplog.at_level(logging.INFO, logger="scripts.graphs"):
+    with caplog.at_level(logging.INFO, logger="scripts.training.graphs"):
         run.run()
     assert_same_training(run, reference)
     summary = iteration.summary()
@@ -199,7 +199,7 @@ def test_a_failed_capture_leaves_monais_own_iteration(stand_in, caplog):
     run = Run(net, data, graphed(stand_in))
     iteration = run.iteration
     stand_in.fail_with = RuntimeError("CUDA error: operation not permitted when stream is capturing")
-    with caplog.at_level(logging.WARNING, logger="scripts.graphs"):
+    with caplog.at_level(logging.WARNING, logger="scripts.training.graphs"):
         run.run()
     assert_same_training(run, reference)
     assert iteration.summary()["disabled"] == (
@@ -220,7 +220,7 @@ def test_gradient_accumulation_keeps_monais_iteration(stand_in):
 
 def test_what_is_known_at_the_start_decides_and_is_logged(caplog):
     net = network()
-    with caplog.at_level(logging.INFO, logger="scripts.graphs"):
+    with caplog.at_level(logging.INFO, logger="scripts.training.graphs"):
         assert training_iteration("false", "cuda", net) is None
         assert not caplog.text
         assert training_iteration("true", "cpu", net) is None

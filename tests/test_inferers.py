@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import ROOT
 from monai.inferers import SlidingWindowInferer
-from scripts.inferers import OUT_OF_MEMORY, FallbackSlidingWindowInferer, SameDeviced
+from scripts.inference.inferers import OUT_OF_MEMORY, FallbackSlidingWindowInferer, SameDeviced
 
 
 class FailsOnce(torch.nn.Module):
@@ -31,7 +31,7 @@ def test_out_of_memory_is_retried_with_cpu_stitching(caplog):
     inferer = FallbackSlidingWindowInferer(roi_size=(32, 32, 32), sw_batch_size=2, overlap=0.25)
     image = torch.rand(1, 1, 48, 40, 36)
     network = FailsOnce(OUT_OF_MEMORY("CUDA out of memory. Tried to allocate 2.00 GiB"))
-    with caplog.at_level(logging.WARNING, logger="scripts.inferers"):
+    with caplog.at_level(logging.WARNING, logger="scripts.inference.inferers"):
         output = inferer(image, network)
     torch.testing.assert_close(output, torch.cat([image, 2 * image], dim=1))
     assert "out of memory" in caplog.text and "(1, 1, 48, 40, 36)" in caplog.text
@@ -84,9 +84,9 @@ def test_on_a_cpu_the_handed_networks_weights_run_in_the_runtime_and_new_weights
     Label's reload of an unchanged file -- use the same compiled model; weights loaded into the same network in place
     are exported and compiled anew, and their output is theirs."""
     from monai.inferers import SlidingWindowInferer
-    from scripts.inferers import RuntimeSlidingWindowInferer
+    from scripts.inference.inferers import RuntimeSlidingWindowInferer
 
-    caplog.set_level(logging.INFO, logger="scripts.backends")
+    caplog.set_level(logging.INFO, logger="scripts.inference.backends")
     window = (16, 16, 8)
     inferer = RuntimeSlidingWindowInferer(window, 2, 0.25, backend="openvino", precision="f32",
                                           weights=str(tmp_path / "model.pt"))  # fmt: skip
@@ -114,8 +114,8 @@ def test_in_int8_the_inferer_calibrates_on_its_configs_preprocessing_and_its_own
     window over the int8 model the backend loads from the cache. (Its accuracy on trained weights:
     tests/test_workflow_inference.py.)"""
     import nibabel as nib
-    from scripts.backends import OpenVinoNetwork
-    from scripts.inferers import RuntimeSlidingWindowInferer
+    from scripts.inference.backends import OpenVinoNetwork
+    from scripts.inference.inferers import RuntimeSlidingWindowInferer
 
     cts = tmp_path / "cts"
     cts.mkdir()
@@ -144,13 +144,13 @@ def test_in_int8_the_inferer_calibrates_on_its_configs_preprocessing_and_its_own
 
 def test_on_a_gpu_with_torch_or_for_torchscript_the_inferer_runs_the_network_itself(tmp_path, monkeypatch):
     """As MONAI's SlidingWindowInferer: nothing exported, the handed network called (MONAI Deploy hands model.ts)."""
-    from scripts.inferers import RuntimeSlidingWindowInferer
+    from scripts.inference.inferers import RuntimeSlidingWindowInferer
 
     network = small_network(0)
     scripted = torch.jit.trace(network, torch.rand(1, 1, 8, 8, 8))
     torch_inferer = RuntimeSlidingWindowInferer((8, 8, 8), backend="torch", weights=str(tmp_path / "model.pt"))
     auto = RuntimeSlidingWindowInferer((8, 8, 8), backend="auto", weights=str(tmp_path / "model.pt"))
     assert torch_inferer.network_for(network) is network and auto.network_for(scripted) is scripted
-    monkeypatch.setattr("scripts.inferers.device_of", lambda module: torch.device("cuda", 0))
+    monkeypatch.setattr("scripts.inference.inferers.device_of", lambda module: torch.device("cuda", 0))
     assert auto.network_for(network) is network
     assert not list(tmp_path.iterdir()), "nothing exported"

@@ -13,7 +13,7 @@ import pytest
 from conftest import SMALL_SHAPE
 from dicom_factory import uneven_series, write_series
 from pydicom.uid import generate_uid
-from scripts.inputs import InferenceInputError, LoadCased, as_float32, find_inputs, slice_map_of
+from scripts.inference.inputs import InferenceInputError, LoadCased, as_float32, find_inputs, slice_map_of
 
 STUDY_DATE = "20260101"  # the synthetic writer's
 
@@ -94,7 +94,7 @@ def test_no_usable_input_is_an_error_that_names_the_folder(small_cases, tmp_path
 
 def test_a_series_with_a_missing_slice_fails_its_check_with_the_reason_and_the_others_run(small_cases, tmp_path):
     tcia_tree(small_cases, tmp_path, [("P1", "1"), ("P2", "1")])
-    from scripts.dicom import scan_ct_series
+    from scripts.data.dicom import scan_ct_series
 
     headers, _ = scan_ct_series(tmp_path / "P2" / "1" / "image")
     headers[len(headers) // 2][0].unlink()  # a slice in the middle of the volume
@@ -110,8 +110,8 @@ def test_a_series_with_a_missing_slice_fails_its_check_with_the_reason_and_the_o
 
 def test_a_failure_is_reported_with_our_message_not_the_library_error_under_it():
     """MONAI wraps a transform's error, ours wraps pydicom's: the report keeps ours (it names the file, what to do)."""
-    from scripts.dicom import DicomCaseError
-    from scripts.inputs import root_message
+    from scripts.data.dicom import DicomCaseError
+    from scripts.inference.inputs import root_message
 
     try:
         try:
@@ -165,7 +165,7 @@ def as_other_series(folder: Path, dest: Path, number: int) -> str:
 
 def middle_slice(folder: Path, at: float = 0.5) -> Path:
     """The file of the slice ``at`` the series' length in ``folder`` (by position, not by name; 1: the last)."""
-    from scripts.dicom import scan_ct_series
+    from scripts.data.dicom import scan_ct_series
 
     headers, _ = scan_ct_series(folder)
     return Path(headers[min(int(len(headers) * at), len(headers) - 1)][0])
@@ -237,7 +237,7 @@ def nifti(path: Path, values: np.ndarray) -> Path:
 def test_a_nifti_that_is_no_ct_in_hu_fails_alone_naming_the_file_and_the_others_load(tmp_path):
     """Text named .nii fails its check; a .nii.gz cut short and a label map fail when read (CaseDataset records
     the failure); the CT beside them loads."""
-    from scripts.inputs import CaseDataset
+    from scripts.inference.inputs import CaseDataset
 
     folder = tmp_path / "in"
     folder.mkdir()

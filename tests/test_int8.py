@@ -1,13 +1,13 @@
-"""int8's check against f32 (scripts/int8.py): the share of voxels with the same class per window and the tumour over
-all windows, judged by the guard the bundle's tests hold int8 to; too little tumour is judged by agreement alone.
-(Quantisation, the record and the fallback to f32: tests/test_backends.py; the demo's weights on an AVX2 CPU's
+"""int8's check against f32 (scripts/inference/int8.py): the share of voxels with the same class per window and the
+tumour over all windows, judged by the guard the bundle's tests hold int8 to; too little tumour is judged by agreement
+alone. (Quantisation, the record and the fallback to f32: tests/test_backends.py; the demo's weights on an AVX2 CPU's
 kernels: tests/test_workflow_inference.py.)"""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from scripts.int8 import GUARD, check_against_f32
+from scripts.inference.int8 import GUARD, check_against_f32
 
 
 def model(labels: np.ndarray):

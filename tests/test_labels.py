@@ -4,8 +4,8 @@ refused before any data is touched."""
 from __future__ import annotations
 
 import pytest
-from scripts.config import ConfigError, check_config
-from scripts.labels import check_labels, matching, normalize_name
+from scripts.common.config import ConfigError, check_config
+from scripts.common.labels import check_labels, matching, normalize_name
 
 GOOD = {"labels": ["GTV-1"], "roi_size": [96, 96, 96], "spacing": [1.0, 1.0, 3.0], "hu_window": [-1000, 500]}
 

@@ -14,7 +14,7 @@ from benchmarks.bench_host import HostReads
 from ignite.engine import Engine, Events
 from monai.engines import SupervisedTrainer
 from monai.handlers import StatsHandler
-from scripts.loss_log import LossLog
+from scripts.training.loss_log import LossLog
 
 
 class Device:

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 from scipy import ndimage
-from scripts.metrics import case_metrics, structure_metrics
+from scripts.evaluation.metrics import case_metrics, structure_metrics
 
 R_MM, OFFSET_MM = 15.0, 8.0
 

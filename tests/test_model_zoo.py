@@ -85,7 +85,7 @@ def test_verify_data_shape_on_the_inference_config_alone(zoo, monkeypatch, caplo
 def test_the_inference_config_alone_has_monais_inference_properties(zoo, monkeypatch):
     """verify_bundle's property check: create_workflow (which runs initialize) on the inference config alone, with the
     zoo's settings only: it builds the evaluator, so the network with its weights (checked), and nothing more: the
-    CPU runtime's export and compilation wait for a run (scripts.backends.prepare), none is written here."""
+    CPU runtime's export and compilation wait for a run (scripts.inference.backends.prepare), none is written here."""
     from monai.bundle import create_workflow
 
     monkeypatch.chdir(zoo)

@@ -98,10 +98,10 @@ def inference_parser(**overrides):
 
 
 def phantom_nifti(folder: Path) -> Path:
-    """The chest phantom (scripts/phantom.py: lungs, mediastinum, arms, upper abdomen) with a tumour at 300 HU, as a
-    NIfTI CT of 500 mm x 500 mm x 357 mm on the PHANTOM_GRID."""
+    """The chest phantom (scripts/data/phantom.py: lungs, mediastinum, arms, upper abdomen) with a tumour at 300 HU, as
+    a NIfTI CT of 500 mm x 500 mm x 357 mm on the PHANTOM_GRID."""
     import nibabel as nib
-    from scripts.phantom import chest
+    from scripts.data.phantom import chest
 
     step, slice_step = PHANTOM_GRID[0], PHANTOM_GRID[2]
     xs, zs = np.arange(-250.0, 250.0, step) + step / 2, np.arange(0.0, 357.0, slice_step) - 300.0
@@ -118,7 +118,7 @@ def test_monai_label_transforms_and_inferer_give_our_inference_in_the_thorax(tmp
     inference (our preprocessing, sliding_window_inferer, MONAI's inverse_postprocessing) voxel for voxel, uint8, on the
     CT's grid, with ``image_path`` back for MONAI Label's writer."""
     from monai.transforms import Compose
-    from scripts.inputs import load_case
+    from scripts.inference.inputs import load_case
 
     ct = phantom_nifti(tmp_path)
     parser = inference_parser(spacing=PHANTOM_GRID, inference_backend="torch")  # TumourBand as it is: no weights
@@ -397,7 +397,7 @@ def test_monai_label_infers_on_a_nifti_file_and_a_dicom_series_on_their_own_grid
     """The label map MONAI Label writes has the input's shape and affine (for the DICOM series: the grid our reader
     gives it), is uint8 with 0 and 1 only, and the NIfTI file and the DICOM series of the same case give the same."""
     import nibabel as nib
-    from scripts.dicom import read_ct_series
+    from scripts.data.dicom import read_ct_series
 
     work, result = monai_label
     request = json.loads((work / "request.json").read_text())
@@ -485,7 +485,7 @@ def test_an_inference_run_of_many_cases_with_forked_workers_after_the_runtime_st
     with the config's DataLoader workers forked from it: every case is done and gives the same label map, the
     process's memory after the last case within 10 % of the third's and its threads the same after each case; once
     the run is dropped, no worker is left and no thread more than during it (its compiled model is kept: destroyed
-    after its process forked, it would corrupt the heap; scripts.backends._KEPT)."""
+    after its process forked, it would corrupt the heap; scripts.inference.backends._KEPT)."""
     import nibabel as nib
 
     _, result = monai_label
@@ -616,7 +616,7 @@ def run_monai_label(work: Path) -> int:
     (work / "results").mkdir()
 
     runtime_log = RuntimeLog()  # on the runtime's logger: the training's logging set-up replaces the root's handlers
-    logging.getLogger("scripts.backends").addHandler(runtime_log)
+    logging.getLogger("scripts.inference.backends").addHandler(runtime_log)
     results["requests"] = []
 
     def infer(kind: str, image: str, **params) -> None:
@@ -660,8 +660,8 @@ def run_monai_label(work: Path) -> int:
 
 
 class RuntimeLog(logging.Handler):
-    """What the CPU runtime logs (scripts.backends: the export, OpenVINO's compilation or load, a reuse), taken per
-    request."""
+    """What the CPU runtime logs (scripts.inference.backends: the export, OpenVINO's compilation or load, a reuse),
+    taken per request."""
 
     def __init__(self) -> None:
         super().__init__(logging.INFO)

@@ -40,12 +40,12 @@ from monai.transforms import (
     SpatialPadd,
 )
 from pydicom.sr.codedict import codes
-from scripts.evaluators import CaseByCaseEvaluator
-from scripts.inputs import CaseDataset, LoadCased, find_inputs
-from scripts.outputs import CaseOutputError, InferenceSummary, SaveCased, label_volume
-from scripts.region import Region
-from scripts.report import WHAT_TO_CHECK
-from scripts.synthetic import write_case
+from scripts.data.synthetic import write_case
+from scripts.inference.engine import CaseByCaseEvaluator
+from scripts.inference.inputs import CaseDataset, LoadCased, find_inputs
+from scripts.inference.outputs import CaseOutputError, InferenceSummary, SaveCased, label_volume
+from scripts.inference.region import Region
+from scripts.inference.report import WHAT_TO_CHECK
 
 LABELS = ["GTV-1", "Heart"]
 # the input's own grid: 2 x 2 x 3 mm voxels (0.012 ml), axes flipped as a DICOM CT is in RAS
@@ -103,18 +103,18 @@ def test_without_an_original_affine_the_tensor_affine_is_used(tmp_path):
 def test_an_sr_asked_for_without_the_report_it_is_made_from_is_said_once_in_the_log(tmp_path, caplog):
     """`--write_report false` with write_sr on (inference.yaml's default): no SR, no report.csv; the log says so when
     the writer is built, not case by case; with both on, or without the SR, nothing is said."""
-    with caplog.at_level(logging.WARNING, logger="scripts.outputs"):
+    with caplog.at_level(logging.WARNING, logger="scripts.inference.outputs"):
         SaveCased("pred", tmp_path, LABELS, write_sr=True, write_report=False)
         SaveCased("pred", tmp_path, LABELS, write_sr=True, write_report=True)
         SaveCased("pred", tmp_path, LABELS, write_sr=False, write_report=False)
-    (line,) = [r.getMessage() for r in caplog.records if r.name == "scripts.outputs"]
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "scripts.inference.outputs"]
     assert line.startswith("write_report is off: no DICOM SR") and "no report.csv" in line
 
 
 def test_structure_volumes_are_logged_in_ml(tmp_path, caplog):
-    with caplog.at_level(logging.INFO, logger="scripts.outputs"):
+    with caplog.at_level(logging.INFO, logger="scripts.inference.outputs"):
         SaveCased("pred", tmp_path, LABELS)({"case_id": "LUNG1-001", "pred": prediction(label_map())})
-    (line,) = [r.getMessage() for r in caplog.records if r.name == "scripts.outputs"]
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "scripts.inference.outputs"]
     assert line.startswith("LUNG1-001: ") and "LUNG1-001_seg.nii.gz" in line
     assert "{'GTV-1': 1.2, 'Heart': 0.048}" in line
 
@@ -211,7 +211,7 @@ def test_an_implausible_tumour_is_flagged_with_what_to_check_and_written_all_the
     inferer = SimpleNamespace(last={"box_lps_mm": gtv.corners_world(np.diag([-1.0, -1.0, 1.0, 1.0]) @ ORIGINAL)})
     limits = {"max_volume_ml": 1.0, "max_components": 10, "max_border_fraction": 0.5}
     data = {"case_id": "P1", "pred": prediction(labels), "source": "dicom", "source_path": truth["image_dir"]}
-    with caplog.at_level(logging.WARNING, logger="scripts.outputs"):
+    with caplog.at_level(logging.WARNING, logger="scripts.inference.outputs"):
         out = SaveCased("pred", tmp_path, LABELS, write_rtstruct=True, write_sr=True, write_report=True,
                         plausible=limits, inferer=inferer)(data)  # fmt: skip
     assert set(out["pred_files"]) == {"nifti", "report", "picture", "dicom_seg", "rtstruct", "sr"}
@@ -239,7 +239,7 @@ def test_a_plausible_tumour_is_not_flagged(tmp_path, dicom_case):
 
 
 def test_the_summary_records_the_flags_and_names_the_flagged_cases_in_its_line(tmp_path, capsys, caplog):
-    with caplog.at_level(logging.WARNING, logger="scripts.outputs"):
+    with caplog.at_level(logging.WARNING, logger="scripts.inference.outputs"):
         run_inference(tmp_path, 3, flagged=("C1",))
     written = {c["case_id"]: c for c in json.loads((tmp_path / "inference_report.json").read_text())["cases"]}
     assert written["C1"]["status"] == "done" and written["C1"]["flags"] == ["GTV-1: C1 looks wrong"]
@@ -473,7 +473,7 @@ def test_the_dicom_written_for_an_uneven_series_is_valid_for_dciodvfy(uneven_inf
 def test_a_cases_dicom_objects_read_the_series_headers_once(tmp_path, dicom_case, monkeypatch, report):
     """SEG, RTSTRUCT, SR and the report share one reading of the series (with its pixels when the report needs HU),
     not one each: on a 512 x 512 x 100 CT each reading is ~0.25 s (python -m benchmarks.bench_outputs)."""
-    import scripts.dicom.ct as ct
+    import scripts.data.dicom.ct as ct
 
     truth, slices, labels = dicom_case
     readings = []
@@ -551,13 +551,13 @@ def test_a_writer_failing_beside_the_others_names_the_case_and_leaves_nothing_ha
     (tmp_path / "P1").mkdir()
     (tmp_path / "P1" / "earlier.txt").write_text("an earlier run's outputs")
     wrote_sr = []
-    monkeypatch.setattr("scripts.outputs.write_sr", lambda *a, **k: wrote_sr.append(a))
+    monkeypatch.setattr("scripts.inference.outputs.write_sr", lambda *a, **k: wrote_sr.append(a))
 
     def fail(*args, **kwargs):
         time.sleep(0.05)  # the other writers are under way
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(f"scripts.outputs.{failing}", fail)
+    monkeypatch.setattr(f"scripts.inference.outputs.{failing}", fail)
     data = {"case_id": "P1", "pred": prediction(labels), "source": "dicom", "source_path": truth["image_dir"]}
     save = SaveCased("pred", tmp_path, LABELS, write_rtstruct=True, write_sr=True, write_report=True, workers=4)
     with pytest.raises(CaseOutputError, match=r"^P1: writing its outputs to .* failed \(.*No space left on device"):
@@ -571,7 +571,7 @@ def test_a_writer_failing_beside_the_others_names_the_case_and_leaves_nothing_ha
 
 def test_one_worker_writes_in_the_calling_thread_and_more_in_a_pool_of_their_own(tmp_path, dicom_case, monkeypatch):
     """workers=1 is the serial code: every writer in the thread that calls; with more, they run in the pool."""
-    import scripts.outputs as outputs
+    import scripts.inference.outputs as outputs
 
     truth, _, labels = dicom_case
     threads: dict[str, str] = {}

@@ -1,4 +1,4 @@
-"""The chest phantom is the CT its docstring describes (scripts/phantom.py), measured on the image it returns.
+"""The chest phantom is the CT its docstring describes (scripts/data/phantom.py), measured on the image it returns.
 
 Every position is computed here from the test's own affine (2.5 x 2.0 x 3 mm, a different spacing and voxel count on
 each axis, so a swapped axis shows), in LPS millimetres from the lung apex that lies ``apex_mm`` below the top slice;
@@ -16,7 +16,7 @@ import json
 import numpy as np
 import pytest
 from scipy import ndimage
-from scripts.phantom import PATHOLOGIES, chest
+from scripts.data.phantom import PATHOLOGIES, chest
 
 AFFINE = np.array([[2.5, 0.0, 0.0, -248.75], [0.0, 2.0, 0.0, -149.0], [0.0, 0.0, 3.0, -180.0], [0.0, 0.0, 0.0, 1.0]])
 SHAPE = (200, 150, 119)  # a 500 x 300 x 357 mm field: the body, arms and couch, the neck above, the abdomen below

@@ -15,8 +15,8 @@ import torch
 from monai.bundle import ConfigParser
 from monai.data import MetaTensor
 from monai.transforms import Compose, KeepLargestConnectedComponentd
-from scripts.inputs import load_case
-from scripts.postprocess import BoxedLargestComponentd, InvertedLabelsd, fast_postprocessing
+from scripts.inference.inputs import load_case
+from scripts.inference.postprocess import BoxedLargestComponentd, InvertedLabelsd, fast_postprocessing
 
 ROOT = Path(__file__).resolve().parents[1]
 #: where the tumour and a small second piece are drawn (LPS mm): inside the body, away from the grid's edges
@@ -189,7 +189,7 @@ def test_the_boxed_largest_component_equals_monais_on_a_plain_tensor():
 @pytest.fixture
 def resampled(monkeypatch) -> list:
     """The CT voxels each resampling of the fast path produced (its ``spatial_size``: the work it does)."""
-    from scripts import postprocess
+    from scripts.inference import postprocess
 
     sizes = []
 

@@ -14,11 +14,11 @@ import nibabel as nib
 import numpy as np
 import pydicom
 import pytest
-import scripts.prepare
+import scripts.data.prepare
 from dicom_factory import Series, transcode, tumour_centre_of, uneven_series
 from dicom_factory import write_case as write_factory_case
-from scripts.prepare import PrepareError, find_cases, prepare, split_cases
-from scripts.synthetic import tumour_contains, write_case
+from scripts.data.prepare import PrepareError, find_cases, prepare, split_cases
+from scripts.data.synthetic import tumour_contains, write_case
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPE = (64, 64, 24)
@@ -86,7 +86,7 @@ def prepared(messy_dataset, tmp_path_factory):
     root, info = messy_dataset
     out = tmp_path_factory.mktemp("prepared")
     with pytest.MonkeyPatch.context() as patch:  # two worker processes even for these few cases
-        patch.setattr(scripts.prepare, "CASES_PER_WORKER", 1)
+        patch.setattr(scripts.data.prepare, "CASES_PER_WORKER", 1)
         report = prepare(root, out, labels=["GTV-1"], num_workers=2, progress=False)
     return out, report, info
 
@@ -183,7 +183,7 @@ def test_a_prepared_file_cut_or_replaced_since_is_prepared_again_and_the_log_say
     image = tmp_path / case["image"]
     whole = np.asarray(nib.load(image, mmap=False).dataobj)  # not a map of the file cut below (SIGBUS)
     image.write_bytes(image.read_bytes()[: image.stat().st_size // 2])
-    with caplog.at_level(logging.WARNING, logger="scripts.prepare"):
+    with caplog.at_level(logging.WARNING, logger="scripts.data.prepare"):
         report = prepare(root, tmp_path, num_workers=1, progress=False)
     assert report["num_prepared"] == 1 and report["num_up_to_date"] == first["num_prepared"] - 1
     np.testing.assert_array_equal(np.asarray(nib.load(image, mmap=False).dataobj), whole)
@@ -238,7 +238,7 @@ def test_cli_prepares_and_reports(small_cases, tmp_path, root):
         [sys.executable, "-m", "scripts.prepare", "--dataset_dir", str(tmp_path / "nowhere"), "--output_dir", str(out)],
         cwd=root, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
-    assert missing.returncode != 0 and "scripts.tcia download" in missing.stderr
+    assert missing.returncode != 0 and "scripts.data.tcia download" in missing.stderr
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -413,7 +413,7 @@ def test_an_interrupt_stops_at_the_cases_in_hand(tmp_path, monkeypatch):
     """Ctrl-C while two cases are in flight: the run stops there instead of converting every queued case first."""
     cases = [{"case_id": f"P{i:02d}", "patient_id": f"P{i:02d}", "fingerprint": ""} for i in range(12)]
     monkeypatch.setattr(
-        scripts.prepare, "find_cases", lambda *a: {"cases": cases, "rejected": [], "root": "", "skipped": {}}
+        scripts.data.prepare, "find_cases", lambda *a: {"cases": cases, "rejected": [], "root": "", "skipped": {}}
     )
     started = []
 
@@ -423,7 +423,7 @@ def test_an_interrupt_stops_at_the_cases_in_hand(tmp_path, monkeypatch):
             raise KeyboardInterrupt
         return {**case, "status": "rejected", "reason": "test"}
 
-    monkeypatch.setattr(scripts.prepare, "prepare_case", interrupted)
+    monkeypatch.setattr(scripts.data.prepare, "prepare_case", interrupted)
     with pytest.raises(KeyboardInterrupt):
         prepare(tmp_path, tmp_path / "out", num_workers=1, progress=False)
     assert len(started) <= 4  # the two in flight and at most the two taken up meanwhile, not all 12

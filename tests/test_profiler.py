@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from scripts.profiler import ProfilerHandler
+from scripts.profiling.profiler import ProfilerHandler
 
 
 @pytest.mark.parametrize("schedule", [[1, 1, 0, 1], [1, 2, 3], [-1, 1, 1, 1]])

@@ -1,7 +1,7 @@
-"""The thorax region never cuts a tumour (scripts/region.py, through scripts/inferers.py).
+"""The thorax region never cuts a tumour (scripts/inference/region.py, through scripts/inference/inferers.py).
 
-Each case is the chest phantom (scripts/phantom.py, which shares nothing with the region finder) with its tumour where
-a method that looks for lung air is weakest, written as NIfTI and put through inference.yaml's own preprocessing
+Each case is the chest phantom (scripts/data/phantom.py, which shares nothing with the region finder) with its tumour
+where a method that looks for lung air is weakest, written as NIfTI and put through inference.yaml's own preprocessing
 (RAS, body crop, HU window; at 2 x 2 x 3 mm here, 4x fewer voxels than the shipped 1 x 1 x 3 mm, which
 benchmarks/bench_inference.py runs). The network is a stand-in that marks the tumour's HU band, pointwise, so
 its full-field label map is the tumour itself: the region's label map must equal it (no voxel lost), the tumour must
@@ -16,10 +16,10 @@ import pytest
 import torch
 from conftest import ROOT
 from monai.bundle import ConfigParser
-from scripts.inferers import FallbackSlidingWindowInferer
-from scripts.inputs import load_case
-from scripts.phantom import PATHOLOGIES, chest
-from scripts.region import Region, _coarse, find_thorax
+from scripts.data.phantom import PATHOLOGIES, chest
+from scripts.inference.inferers import FallbackSlidingWindowInferer
+from scripts.inference.inputs import load_case
+from scripts.inference.region import Region, _coarse, find_thorax
 
 TUMOUR_HU = 300.0  # nothing else in the phantom lies within 100 HU of it
 HU_WINDOW = (-1000.0, 500.0)

@@ -20,10 +20,10 @@ import json
 
 import numpy as np
 import pytest
-import scripts.report as report_module
+import scripts.inference.report as report_module
 from scipy import ndimage
-from scripts.figures import picture_pixel_mm, render_planes
-from scripts.report import (
+from scripts.inference.figures import picture_pixel_mm, render_planes
+from scripts.inference.report import (
     CSV_COLUMNS,
     WHAT_TO_CHECK,
     implausible,
@@ -187,8 +187,9 @@ def test_planes_picture_is_radiological(orientation):
 
 @pytest.mark.parametrize("orientation", ["ct", "permuted"])
 def test_report_and_picture_are_the_same_whatever_the_label_maps_memory_order(orientation):
-    """The writers get the label map in NIfTI's (Fortran) order (scripts.outputs.label_volume): the measurements, the
-    border fractions and the picture (its centre, its CT planes from int16) are those of the C-ordered map."""
+    """The writers get the label map in NIfTI's (Fortran) order (scripts.inference.outputs.label_volume): the
+    measurements, the border fractions and the picture (its centre, its CT planes from int16) are those of the C-ordered
+    map."""
     affine = affines()[orientation]
     lps = centres_lps(affine)
     labels = ellipsoid(lps, [20.0, -5.0, 0.0], [6.0, 6.0, 7.0]).astype(np.uint8)

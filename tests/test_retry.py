@@ -1,4 +1,4 @@
-"""The one retry policy of the NBIA and DICOMweb clients (scripts/retry.py): back-off, jitter, cap, Retry-After,
+"""The one retry policy of the NBIA and DICOMweb clients (scripts/common/retry.py): back-off, jitter, cap, Retry-After,
 giving up, cancellation, a log line per retry."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import logging
 import threading
 
 import pytest
-import scripts.retry as retry
-from scripts.retry import MAX_WAIT_S, GaveUpError, RetryCancelledError, RetryPolicy, TransientError
+import scripts.common.retry as retry
+from scripts.common.retry import MAX_WAIT_S, GaveUpError, RetryCancelledError, RetryPolicy, TransientError
 
 
 def failing(times: int, error: Exception | None = None):
@@ -42,7 +42,7 @@ def test_retry_after_is_honoured_when_longer_up_to_the_cap(monkeypatch):
 
 def test_transient_failures_are_retried_and_each_retry_is_logged(caplog):
     attempt, _ = failing(2)
-    with caplog.at_level(logging.WARNING, logger="scripts.retry"):
+    with caplog.at_level(logging.WARNING, logger="scripts.common.retry"):
         assert RetryPolicy(retries=4, backoff_s=0.001).call("GET /studies", attempt) == 3
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 2 and lines[0].startswith("GET /studies: HTTP 503 on call 1; attempt 1 of 5 failed, next in")

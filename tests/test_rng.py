@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 from monai.transforms import Compose, RandCropByPosNegLabeld, RandFlipd, RandGaussianNoised, RandScaleIntensityd
-from scripts.rng import capture, random_generators, restore
+from scripts.training.rng import capture, random_generators, restore
 
 
 def pipeline(seed: int) -> Compose:

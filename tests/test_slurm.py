@@ -263,8 +263,8 @@ def cluster(tmp_path_factory) -> Iterator[LocalCluster]:
 
 @pytest.fixture(scope="module")
 def dataset(cluster) -> Path:
-    from scripts.prepare import prepare
-    from scripts.synthetic import generate
+    from scripts.data.prepare import prepare
+    from scripts.data.synthetic import generate
 
     generate(cluster.base / "data", num_cases=NUM_CASES, shape=(64, 64, 24), seed=7)
     # prepared here, in one process: the launchers' prepare step then finds it up to date (as on a re-run)

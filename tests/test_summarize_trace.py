@@ -17,7 +17,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from scripts import summarize_trace as st
+from scripts.profiling import summarize_trace as st
 
 ROOT = Path(__file__).resolve().parents[1]
 MODULE = ROOT / "scripts" / "summarize_trace.py"

@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import pydicom
 import pytest
-from scripts.dicom import read_ct_series, read_rtstruct_labels, read_seg_labels
-from scripts.synthetic import tumour_contains, write_case
+from scripts.data.dicom import read_ct_series, read_rtstruct_labels, read_seg_labels
+from scripts.data.synthetic import tumour_contains, write_case
 
 SHAPE = (64, 64, 24)
 CASES = {  # id -> write_case options
@@ -134,8 +134,8 @@ def test_synthetic_ct_and_seg_are_valid_dicom_for_dciodvfy(tmp_path):
 def test_the_demo_writes_only_into_a_folder_of_its_own_and_never_into_a_users_dataset(tmp_path):
     """configs/demo.yaml writes into --dataset_dir: a user's NSCLC-Radiomics copy (the demo's patient IDs) is refused,
     naming the setting and leaving every file as it was; a new folder is written, and a second run keeps its cases."""
-    from scripts.config import ConfigError
-    from scripts.synthetic import generate
+    from scripts.common.config import ConfigError
+    from scripts.data.synthetic import generate
 
     users = tmp_path / "tcia"
     series = users / "NSCLC-Radiomics" / "LUNG1-001" / "1" / "image"

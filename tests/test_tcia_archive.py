@@ -1,11 +1,11 @@
-"""scripts.tcia.archive: MD5 manifests in every spelling NBIA and md5sum write, and unsafe zip entries refused."""
+"""scripts.data.tcia.archive: MD5 manifests in every spelling NBIA and md5sum write, and unsafe zip entries refused."""
 
 from __future__ import annotations
 
 import zipfile
 
 import pytest
-from scripts.tcia import UnsafeArchiveError, extract_series_zip, parse_md5_manifest
+from scripts.data.tcia import UnsafeArchiveError, extract_series_zip, parse_md5_manifest
 
 
 def test_md5_manifest_parsing_tolerates_header_and_column_variants():

@@ -1,4 +1,4 @@
-"""scripts.tcia.client: where the API is, and what happens when it cannot be reached."""
+"""scripts.data.tcia.client: where the API is, and what happens when it cannot be reached."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import socket
 
 import pytest
 from fake_nbia import COLLECTION, FAST
-from scripts.tcia import TciaError, download, resolve_base_url
+from scripts.data.tcia import TciaError, download, resolve_base_url
 
 
 def test_unreachable_server_fails_the_listing_after_retries(tmp_path):

@@ -1,4 +1,4 @@
-"""scripts.tcia.download against the fake NBIA server: TCIA layout, byte-identical files, every injected fault
+"""scripts.data.tcia.download against the fake NBIA server: TCIA layout, byte-identical files, every injected fault
 reported, resumed transfers, completed cases skipped, and the CLI's exit status."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from fake_nbia import (
     make_case,
     zip_name,
 )
-from scripts.tcia import MARKER, STAGING, download
+from scripts.data.tcia import MARKER, STAGING, download
 
 
 @pytest.fixture(scope="module")

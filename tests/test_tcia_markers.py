@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 from pydicom.dataset import Dataset, FileMetaDataset
 from pydicom.uid import CTImageStorage, ExplicitVRLittleEndian, SegmentationStorage, generate_uid
-from scripts.tcia import markers
-from scripts.tcia.errors import TciaError
-from scripts.tcia.markers import (
+from scripts.data.tcia import markers
+from scripts.data.tcia.errors import TciaError
+from scripts.data.tcia.markers import (
     MARKER,
     adopt_unmarked_case,
     existing_case,
@@ -80,7 +80,7 @@ def test_case_whose_file_counts_changed_is_left_out_with_a_warning(tmp_path, cap
     mark(added, OTHER_SEG_UID)
     (missing / "image" / "1-02.dcm").unlink()
     write_dcm(added / "seg" / "1-2.dcm", OTHER_SEG_UID, SegmentationStorage)
-    with caplog.at_level(logging.WARNING, logger="scripts.tcia.markers"):
+    with caplog.at_level(logging.WARNING, logger="scripts.data.tcia.markers"):
         assert index_markers(tmp_path) == {}
     warned = " ".join(r.getMessage() for r in caplog.records)
     assert str(missing) in warned and str(added) in warned and "downloaded again" in warned

@@ -1,10 +1,10 @@
-"""scripts.tcia.references: case folders named as monai.apps.TciaDataset names them, and never by a path."""
+"""scripts.data.tcia.references: case folders named as monai.apps.TciaDataset names them, and never by a path."""
 
 from __future__ import annotations
 
 import pytest
 from pydicom.dataset import Dataset
-from scripts.tcia import TciaError, case_key
+from scripts.data.tcia import TciaError, case_key
 
 
 def test_case_key_uses_tciadataset_fallbacks_and_refuses_path_like_ids():

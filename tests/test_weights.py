@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 from monai.networks.nets import SwinUNETR
-from scripts.weights import load_pretrained_encoder, load_weights
+from scripts.training.weights import load_pretrained_encoder, load_weights
 
 
 def small_net(out_channels: int = 2) -> SwinUNETR:

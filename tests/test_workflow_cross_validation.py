@@ -42,7 +42,7 @@ def trained_epochs(output: str) -> list[int]:
 def cross_validated(small_cases, tmp_path_factory) -> dict:
     """Four small cases (three training cases in folds 0/1, one test case); the CV command killed once fold 1 has
     saved its first epoch, then run again to the end."""
-    from scripts.prepare import prepare
+    from scripts.data.prepare import prepare
 
     data, truths = small_cases
     tmp = tmp_path_factory.mktemp("cross_validation")
@@ -150,7 +150,7 @@ def ensemble_inference(cross_validated, tmp_path_factory) -> dict:
 
 @torch.no_grad()
 def test_ensemble_inference_equals_the_mean_of_the_single_model_probabilities(ensemble_inference, cross_validated):
-    from scripts.weights import load_weights
+    from scripts.training.weights import load_weights
 
     workflow, windows = ensemble_inference["workflow"], ensemble_inference["windows"]
     assert len(windows) == 1, "the small case is one sliding window: its map is the window's"

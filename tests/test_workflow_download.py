@@ -1,4 +1,4 @@
-"""Data downloaded by either tool works with the other (monai.apps.TciaDataset <-> scripts.tcia), and
+"""Data downloaded by either tool works with the other (monai.apps.TciaDataset <-> scripts.data.tcia), and
 train.yaml's `download: true` downloads, then prepares, and stops clearly on a failed series."""
 
 from __future__ import annotations
@@ -10,14 +10,14 @@ import nibabel as nib
 import numpy as np
 import pytest
 from fake_nbia import COLLECTION, FAST, FakeNbia, case_dir, served_case
-from scripts.tcia import TciaError, download
+from scripts.data.tcia import TciaError, download
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def synthetic_source(tmp_path_factory):
-    from scripts.synthetic import write_case
+    from scripts.data.synthetic import write_case
 
     root = tmp_path_factory.mktemp("source")
     # two segments, every frame stored: MONAI's PydicomReader needs per-frame segment ids and no omitted frames
@@ -30,7 +30,7 @@ def synthetic_source(tmp_path_factory):
 
 
 def prepared_labels(dataset_dir: Path, out: Path) -> dict:
-    from scripts.prepare import prepare
+    from scripts.data.prepare import prepare
 
     report = prepare(dataset_dir, out, num_workers=1, progress=False)
     assert report["num_rejected"] == 0, report["rejected"]

@@ -26,7 +26,7 @@ def export(demo_run, command: str, filepath, *extra: str) -> tuple[torch.nn.Modu
     result = subprocess.run(args, cwd=filepath.parent, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     from monai.networks.nets import SwinUNETR
-    from scripts.weights import load_weights
+    from scripts.training.weights import load_weights
 
     eager = load_weights(SwinUNETR(in_channels=1, out_channels=2, feature_size=12), weights).eval()
     return eager, torch.rand(*PATCH, generator=torch.Generator().manual_seed(0))

@@ -36,7 +36,7 @@ def split_order(patient_id: str, seed: int = 0) -> bytes:
 @pytest.fixture(scope="module")
 def first_run(tmp_path_factory):
     """The three documented commands, run one after the other against the stand-in server."""
-    from scripts.synthetic import write_case
+    from scripts.data.synthetic import write_case
 
     tmp = tmp_path_factory.mktemp("first_run")
     truths = [write_case(tmp / "source", p, seed=i, shape=TINY_SHAPE, pixel_spacing=(2.0, 2.0), tumour_hu=400)

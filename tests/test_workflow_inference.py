@@ -21,8 +21,8 @@ import yaml
 from conftest import ROOT, bundle_run, configs, workflow_run
 from dicom_factory import Series, write_scanner_study, write_series
 from pydicom.uid import generate_uid
-from scripts.dicom import read_ct_series, read_rtstruct_labels, read_seg_labels
-from scripts.synthetic import generate, write_case
+from scripts.data.dicom import read_ct_series, read_rtstruct_labels, read_seg_labels
+from scripts.data.synthetic import generate, write_case
 
 SCANNER = "SCANNER-01"  # the patient of the study written as a scanner exports it
 
@@ -54,8 +54,9 @@ CHEST = "CHEST-512"
 
 
 def cpu_isa() -> str:
-    """The CPU's kind as the bundle names it in int8.json (scripts.cpus.cpu_isa, which OpenVINO does not load)."""
-    from scripts.cpus import cpu_isa as isa
+    """The CPU's kind as the bundle names it in int8.json (scripts.common.cpus.cpu_isa, which OpenVINO does not
+    load)."""
+    from scripts.common.cpus import cpu_isa as isa
 
     return isa()
 
@@ -63,7 +64,7 @@ def cpu_isa() -> str:
 def cpu_has_bf16() -> bool:
     """Whether this CPU computes bf16 natively as the bundle judges it (its flags, capped where ONEDNN_MAX_CPU_ISA caps
     OpenVINO's kernels; OpenVINO itself is not loaded into the test worker)."""
-    from scripts.cpus import NATIVE_BF16
+    from scripts.common.cpus import NATIVE_BF16
 
     return cpu_isa() in NATIVE_BF16
 
@@ -175,8 +176,8 @@ def test_openvino_runs_the_network_on_a_cpu_and_onnx_runtime_runs_the_same_expor
     export to PyTorch's logits within 1e-3 on a batch of windows. (Labels through the whole sliding window, an ensemble
     and TTA: test_backends.py.)"""
     from monai.networks.nets import SwinUNETR
-    from scripts.backends import OnnxNetwork
-    from scripts.weights import load_weights
+    from scripts.inference.backends import OnnxNetwork
+    from scripts.training.weights import load_weights
 
     truths, _, out, result, report, _ = inferred
     tmp, _, _ = demo_run
@@ -462,7 +463,7 @@ def test_the_demos_training_leaves_a_calibration_set_that_inference_takes_when_n
     training cases' for calibration, the validation cases' for the check), and inference.yaml with int8_calibration
     left at null calibrates on them."""
     from monai.bundle import ConfigParser
-    from scripts.calibration import SET_SUFFIX
+    from scripts.inference.calibration import SET_SUFFIX
 
     tmp, _, _ = demo_run
     weights = tmp / "run" / "model.pt"

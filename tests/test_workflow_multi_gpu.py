@@ -61,9 +61,9 @@ def logged_dice(log: str, epoch: int) -> float:
 def test_two_ranks_restart_after_a_kill_and_agree(ddp_data, tmp_path):
     demo_tmp = ddp_data
     out = tmp_path / "run"
-    rank_file = "'{}/rank' + str(@scripts.distributed.rank()) + '.pt'"
-    dump = f"$torch.save(@scripts.weights.unwrap(@network).state_dict(), {rank_file})"
-    finalize = str([dump.format(tmp_path), "$@scripts.distributed.cleanup()"])
+    rank_file = "'{}/rank' + str(@scripts.training.distributed.rank()) + '.pt'"
+    dump = f"$torch.save(@scripts.training.weights.unwrap(@network).state_dict(), {rank_file})"
+    finalize = str([dump.format(tmp_path), "$@scripts.training.distributed.cleanup()"])
     command = torchrun("--standalone", "--nproc_per_node=2", "--max-restarts=1",
                        *bundle_args(demo_tmp, out, max_epochs=2, resume="true", finalize=finalize))  # fmt: skip
     log_file = tmp_path / "log.txt"
@@ -88,7 +88,7 @@ def test_two_ranks_restart_after_a_kill_and_agree(ddp_data, tmp_path):
         torch.testing.assert_close(ranks[1][name], tensor, msg=f"rank 1 differs from the saved weights: {name}")
 
     # the Dice logged under DDP (each rank validated half the cases) equals one process validating all of them
-    from scripts.weights import load_weights
+    from scripts.training.weights import load_weights
 
     workflow = train_workflow(["train.yaml", "demo.yaml"], demo_tmp, tmp_path / "single",
                               network_def=ast.literal_eval(MECHANICS_NETWORK))  # fmt: skip

@@ -47,7 +47,7 @@ def bundle_records() -> Iterator[list[logging.LogRecord]]:
 
 
 def notices(records: list[logging.LogRecord]) -> list[str]:
-    return [r.getMessage() for r in records if r.name == "scripts.checkpoint" and r.levelno == logging.WARNING]
+    return [r.getMessage() for r in records if r.name == "scripts.training.checkpoint" and r.levelno == logging.WARNING]
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import statistics
 
 import pytest
 from conftest import MECHANICS_NETWORK, bundle_run, configs, demo_args, workflow_run
-from scripts.cli import bundle_error
+from scripts.common.cli import bundle_error
 
 PROFILE = configs("train.yaml", "demo.yaml", "profile.yaml")
 
@@ -52,7 +52,7 @@ def test_the_run_stops_after_its_profiled_iterations_and_writes_no_weights_nor_t
 
 
 def test_a_schedule_that_never_ends_is_refused_naming_profiler_schedule_before_any_data_is_read(tmp_path):
-    from scripts.profiler import ProfilerHandler, schedule_steps
+    from scripts.profiling.profiler import ProfilerHandler, schedule_steps
 
     assert schedule_steps([2, 2, 4, 1]) == 8 and schedule_steps([1, 0, 2, 3]) == 9
     with pytest.raises(ValueError, match=r"profiler_schedule=\[0, 1, 2, 0\]: repeat 0 .* give repeat >= 1"):
@@ -89,7 +89,7 @@ def test_trace_and_summary_are_written_per_cycle_under_the_run_folder(profiled):
 
 
 def test_sections_in_the_trace_match_an_independent_count(profiled):
-    from scripts.summarize_trace import summarize
+    from scripts.profiling.summarize_trace import summarize
 
     folder, _ = profiled
     trace = folder / "3-chrome_trace.json.gz"

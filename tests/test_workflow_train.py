@@ -23,7 +23,7 @@ from conftest import (
     workflow_run,
 )
 from monai.bundle import ConfigWorkflow
-from scripts.config import ConfigError
+from scripts.common.config import ConfigError
 
 
 def causes(error: BaseException) -> list[BaseException]:

@@ -17,12 +17,12 @@ import numpy as np
 import pydicom
 import pytest
 from scipy import ndimage
-from scripts.dicom import read_ct_series, read_rtstruct_labels, read_seg_labels
-from scripts.report import outlines
-from scripts.synthetic import write_case
-from scripts.writers import rtstruct as writer
-from scripts.writers.rtstruct import write_rtstruct
-from scripts.writers.seg import algorithm_identification, write_dicom_seg
+from scripts.data.dicom import read_ct_series, read_rtstruct_labels, read_seg_labels
+from scripts.data.synthetic import write_case
+from scripts.inference.report import outlines
+from scripts.inference.writers import rtstruct as writer
+from scripts.inference.writers.rtstruct import write_rtstruct
+from scripts.inference.writers.seg import algorithm_identification, write_dicom_seg
 
 rt_utils = pytest.importorskip("rt_utils", reason="rt-utils (requirements-dev.txt) is the independent reader")
 

@@ -1,5 +1,5 @@
-"""The predicted DICOM SEG, read back with highdicom alone (never through ``scripts.dicom``): voxel for voxel equal to
-the label map, its labelled voxels at the same patient (LPS, mm) positions as computed here from the CT headers --
+"""The predicted DICOM SEG, read back with highdicom alone (never through ``scripts.data.dicom``): voxel for voxel equal
+to the label map, its labelled voxels at the same patient (LPS, mm) positions as computed here from the CT headers --
 the tumour inside the synthetic writer's analytic ellipsoids -- for a plain CT and for one stored flipped in plane with
 reversed instance numbers and shuffled file names; it references the CT's patient, study, frame of reference, series and
 instances, codes GTV as Neoplasm and names the algorithm and its version; a prediction on another grid is refused and
@@ -15,8 +15,8 @@ import highdicom as hd
 import numpy as np
 import pydicom
 import pytest
-from scripts.synthetic import tumour_contains, write_case
-from scripts.writers.seg import ALGORITHM_NAME, algorithm_identification, write_dicom_seg
+from scripts.data.synthetic import tumour_contains, write_case
+from scripts.inference.writers.seg import ALGORITHM_NAME, algorithm_identification, write_dicom_seg
 
 SHAPE = (48, 40, 12)  # columns, rows, slices: not square, so a row/column swap cannot go unnoticed
 NAMES = ["GTV-1", "Heart"]

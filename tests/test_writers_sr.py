@@ -10,11 +10,11 @@ import highdicom as hd
 import pydicom
 import pytest
 from pydicom.sr.codedict import codes
-from scripts.dicom import read_ct_series, read_seg_labels
-from scripts.report import implausible, tumour_report
-from scripts.synthetic import write_case
-from scripts.writers.seg import algorithm_identification, write_dicom_seg
-from scripts.writers.sr import CHECK, FINDINGS, SCHEME, write_sr
+from scripts.data.dicom import read_ct_series, read_seg_labels
+from scripts.data.synthetic import write_case
+from scripts.inference.report import implausible, tumour_report
+from scripts.inference.writers.seg import algorithm_identification, write_dicom_seg
+from scripts.inference.writers.sr import CHECK, FINDINGS, SCHEME, write_sr
 
 NAMES = ["GTV-1", "Heart", "Esophagus-absent"]
 
