@@ -1,9 +1,9 @@
 """Benchmark of CPU inference: the same case through ``configs/inference.yaml`` as shipped, run by PyTorch, ONNX
 Runtime and OpenVINO in f32 and bf16 (``inference_backend``, ``cpu_precision``), with the windows over the thorax only
-(``roi_region: thorax``, the default) and over the whole body crop (``roi_region: body``, 0.5.1's behaviour), side by
-side; and the same case asked of MONAI Label 0.8.5's ``monaibundle`` app with the bundle copied in (``--backends
-monailabel``: its settings as shipped, OpenVINO in bf16 where native; ``monailabel-f32``, ``monailabel-torch``: that
-precision, PyTorch), as 3D Slicer asks it, ``--requests`` times in one process.
+(``roi_region: thorax``, the default) and over the whole body crop (``roi_region: body``), side by side; and the same
+case asked of MONAI Label 0.8.5's ``monaibundle`` app with the bundle copied in (``--backends monailabel``: its
+settings as shipped, OpenVINO in bf16 where native; ``monailabel-f32``, ``monailabel-torch``: that precision,
+PyTorch), as 3D Slicer asks it, ``--requests`` times in one process.
 
 The shipped network (SwinUNETR feature size 48, random weights: time does not depend on their values) and the
 shipped window settings (96^3 windows, sw_batch_size 4, overlap 0.25, 1 x 1 x 3 mm) on synthetic CTs written as

@@ -53,7 +53,7 @@ BLOB_RADIUS_MM, BLOB_OFFSET_MM = 5.0, (0.0, 0.0, 30.0)
 #: the thorax mask: tumour where the CT is above this (HU), but for vessels every VESSEL_PERIOD_MM (about 2 mm across)
 BODY_HU, VESSEL_PERIOD_MM = -500.0, 5.0
 MASKS = ("tumour", "thorax")
-#: the writers' switches of each ``--outputs`` choice (``kit``: as benchmarks.gpu_proof's ``_inference`` sets them)
+#: the writers' switches of each ``--outputs`` choice (``kit``: as benchmarks.gpu_proof's full-CT runs set them)
 OUTPUTS = {"all": {}, "kit": {"write_rtstruct": False, "write_sr": False, "write_report": False}}
 
 

@@ -49,22 +49,22 @@ def learning_rate_for(patches: int, base: float = 1.0e-4, base_patches: int = 4)
 
 
 #: name -> (command-line overrides, needs a GPU). bf16 is the base of the rows after "amp bfloat16": each changes one
-#: thing against it. The defaults (fp16, compile auto: off in a benchmark; cuda_graphs on since 0.11, so "CUDA graphs
-#: (fp16)" and the compile rows' "+ CUDA graphs" now repeat the default, kept for the runs before) are the base of the
-#: rows before it: more patches a step, with the learning rate scaled by the square-root rule; the full training's
-#: defaults (compile auto on: regional, fp16), then the same again (which compiles from the first's cache); compile's
-#: reduce-overhead captures each region itself, so it turns the whole step's graph off; the compiled step with the
-#: window attention as one scaled_dot_product_attention (compiled, the attention's softmax is the step's largest
-#: kernel class, docs/performance.md); 0.11.1's step is the defaults as 0.11.1 ran and timed them (the batch as a
-#: MetaTensor, decollated after each step, which read the loss off the GPU; the GPU synchronised around each step)
+#: thing against it. The defaults (fp16, compile auto: off in a benchmark; cuda_graphs on, so "CUDA graphs (fp16)" and
+#: the compile rows' "+ CUDA graphs" repeat the default, beside docs/performance.md's rows that had them off) are the
+#: base of the rows before it: more patches a step, with the learning rate scaled by the square-root rule; the full
+#: training's defaults (compile auto on: regional, fp16), then the same again (which compiles from the first's cache);
+#: compile's reduce-overhead captures each region itself, so it turns the whole step's graph off; the compiled step with
+#: the window attention as one scaled_dot_product_attention (compiled, the attention's softmax is the step's largest
+#: kernel class, docs/performance.md); the MetaTensor row is the defaults' step with the batch as a MetaTensor,
+#: decollated after each step (which reads the loss off the GPU) and the GPU synchronised around each step
 SWITCH_SETS: dict[str, tuple[dict[str, str], bool]] = {
     "original-style loop (no cache, DataLoader, fp16)": (
         {"cache": "none", "num_workers": "4", "amp": "true", "amp_dtype": "float16", "fused_optimizer": "false"},
         False,
     ),
-    "0.7 defaults (cache memory, 4 workers)": ({"cache": "memory", "num_workers": "4"}, False),
+    "cache memory, 4 workers": ({"cache": "memory", "num_workers": "4"}, False),
     "bundle defaults (cache auto)": ({}, False),
-    "0.11.1's step (MetaTensor batch, decollated, synchronised steps)": (
+    "MetaTensor batch, decollated, synchronised steps": (
         {
             "train#trainer#prepare_batch": "$monai.engines.default_prepare_batch",
             "train#trainer#decollate": "true",
@@ -205,7 +205,7 @@ def _fastest_so_far(records: list[dict[str, Any]], record: dict[str, Any]) -> bo
 def overrides(name: str) -> dict[str, Any]:
     """The set's overrides as ``monai.bundle run`` gets them from its command line: fire reads each value as a
     Python literal where it is one ("8" -> 8) and as a string otherwise ("true", "bfloat16"). Passed on as strings,
-    a count broke the config's arithmetic (``@batch_size * @num_samples`` with "8": the H200 run of 2026-11-27)."""
+    a count would break the config's arithmetic (``@batch_size * @num_samples`` with "8")."""
     return {key: _as_literal(value) for key, value in SWITCH_SETS[name][0].items()}
 
 

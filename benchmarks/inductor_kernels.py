@@ -1,11 +1,11 @@
 """The softmax kernels inductor writes for a Swin block's window attention, read without a GPU.
 
-Why: on the third H200 run the compiled training step's softmax kernels took 29.8 % of its GPU time, 4x the eager
-step's (docs/performance.md). The kernels are Triton code that inductor generates before any GPU is involved. Inductor
-can target Triton on a CPU (``cpu_backend = "triton"``): it then writes the same kind of Triton kernels as for CUDA,
-for the same fused nodes. This script makes it write them for one Swin block of the first stage (forward and
-backward). The Triton compile then fails, as nothing here can run Triton on a CPU; the code is already written. For
-each kernel that computes a softmax or its backward, the script prints what decides its memory traffic:
+Why: on an H200 the compiled training step's softmax kernels take 29.8 % of its GPU time, 4x the eager step's
+(docs/performance.md, "Where a training step's GPU time goes"). The kernels are Triton code inductor writes before
+any GPU is involved; it can target Triton on a CPU (``cpu_backend = "triton"``), then writing the same kind of Triton
+kernels as for CUDA, for the same fused nodes. This script makes it write them for one Swin block of the first stage
+(forward and backward); the Triton compile then fails, as nothing here runs Triton on a CPU, but the code is written.
+For each kernel that computes a softmax or its backward, the script prints what decides its memory traffic:
 
 * persistent (one pass: the row held in registers) or looped (N passes over the row, each reading it again);
 * the indirect loads (a gather through an index, each with a bounds assert: the relative-position bias looked up for

@@ -234,6 +234,17 @@ def train_demo(shared: Path) -> Path:
     return record
 
 
+def pytest_collection_modifyitems(config, items) -> None:
+    """Tests marked gpu are skipped, with the reason, where torch sees no CUDA/ROCm device."""
+    gpu = [item for item in items if item.get_closest_marker("gpu")]
+    if gpu:
+        import torch
+
+        if not torch.cuda.is_available():
+            for item in gpu:
+                item.add_marker(pytest.mark.skip(reason="needs a CUDA/ROCm GPU"))
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_configure(config) -> None:
     """The whole suite on pytest-xdist's workers: the controller, idle while they run, trains the demo from the start

@@ -1,8 +1,10 @@
 """Faults the tests put into the bundle's configs (as ``_target_: faults.<name>``, with this folder on PYTHONPATH):
-each fails the one case it names, at one stage of inference, so that a test can prove the other cases still run.
+each fails the one case it names, at one stage of inference, so that a test can prove the other cases still run; or,
+:class:`OutOfMemoryOnce`, runs the first case out of device memory, so that a test can prove the sliding window's
+fallback.
 
 Only the fault is made up; what handles it is the bundle's own code, run as users run it (``monai.bundle run``,
-DataLoader worker processes, the case-by-case evaluator, the writer's staging folder).
+DataLoader worker processes, the case-by-case evaluator, the writer's staging folder, the inferer's fallback).
 """
 
 from __future__ import annotations
@@ -12,7 +14,11 @@ from collections.abc import Callable, Hashable, Mapping
 from pathlib import Path
 from typing import Any
 
+from scripts.inference.inferers import OUT_OF_MEMORY, FallbackSlidingWindowInferer
 from scripts.inference.outputs import SaveCased
+
+#: the message of the out-of-memory error :class:`OutOfMemoryOnce` raises (the fallback's warning quotes it)
+INJECTED_OOM = "out of memory (injected by tests/faults.py)"
 
 
 class InjectedFault(RuntimeError):
@@ -72,3 +78,26 @@ class SaveCasedFailingFor(SaveCased):
         if case_id == self.fail_case:
             raise OSError(errno.ENOSPC, "No space left on device", str(folder / f"{case_id}_seg.dcm"))
         return written
+
+
+class OutOfMemoryOnce(FallbackSlidingWindowInferer):
+    """The bundle's sliding-window inferer whose network runs out of device memory at the first window of each of the
+    first ``cases`` inputs, as on a card too small for the CT: the inferer's own fallback must run the input again."""
+
+    def __init__(self, *args: Any, cases: int = 1, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.cases = int(cases)
+
+    def __call__(self, inputs: Any, network: Callable, *args: Any, **kwargs: Any) -> Any:
+        if self.cases <= 0:
+            return super().__call__(inputs, network, *args, **kwargs)
+        self.cases -= 1
+        raised: list[bool] = []
+
+        def runs_out(window: Any, *a: Any, **k: Any) -> Any:
+            if not raised:
+                raised.append(True)
+                raise OUT_OF_MEMORY(INJECTED_OOM)
+            return network(window, *a, **k)
+
+        return super().__call__(inputs, runs_out, *args, **kwargs)

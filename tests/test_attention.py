@@ -126,11 +126,25 @@ def test_compiled_attention_reads_its_bias_instead_of_gathering_it():
     """The graph torch.compile hands inductor: MONAI's module puts the table lookup (aten.index) in it, where inductor
     fuses it into the softmax kernel (an indirect load for each logit); the dense-bias module gives inductor the bias
     as an opaque operator's output, so the softmax kernel reads a contiguous tensor."""
-    from benchmarks.inductor_kernels import captured_graphs
+    from functorch.compile import make_boxed_func
+    from torch._functorch.aot_autograd import aot_module_simplified
+    from torch._inductor.decomposition import select_decomp_table
 
     def forward_ops(module: torch.nn.Module) -> list[str]:
-        graph, _ = captured_graphs(module, torch.randn(2, 343, 24, requires_grad=True), None)["forward"]
-        return [str(node.target) for node in graph.graph.nodes if node.op == "call_function"]
+        """The operators of the forward graph AOTAutograd hands inductor (with inductor's decompositions)."""
+        graphs = []
+
+        def keep(graph, example_inputs):
+            graphs.append(graph)
+            return make_boxed_func(graph.forward)
+
+        def backend(graph_module, example_inputs):
+            return aot_module_simplified(graph_module, example_inputs, fw_compiler=keep,
+                                         decompositions=select_decomp_table())  # fmt: skip
+
+        torch._dynamo.reset()
+        torch.compile(module, backend=backend, dynamic=False)(torch.randn(2, 343, 24, requires_grad=True), None)
+        return [str(node.target) for node in graphs[0].graph.nodes if node.op == "call_function"]
 
     torch.manual_seed(0)
     plain = WindowAttention(dim=24, num_heads=3, window_size=(7, 7, 7), qkv_bias=True)

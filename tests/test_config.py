@@ -63,7 +63,7 @@ def test_an_override_no_config_defines_fails_with_the_closest_ids(root):
     assert str(err.value).startswith("--max_epoch (did you mean --max_epochs")
     assert "no config of the bundle defines that id, so the setting would be ignored" in str(err.value)
     good = [main, "run", "training", "--config_file", configs, "--max_epochs", "2", "--train#trainer#max_epochs=3",
-            "--sliding_window_inferer#force_oom", "1", "--demo_cases", "4", "--meta_file", "m", "--resume"]  # fmt: skip
+            "--sliding_window_inferer#overlap", "0.5", "--demo_cases", "4", "--meta_file", "m", "--resume"]  # fmt: skip
     assert check_overrides(good)
     inference = [main, "run", "inference", "--config_file", str(root / "configs" / "inference.yaml"),
                  "--series_rules#min_slices", "50", "--input_dirr", "x"]  # fmt: skip

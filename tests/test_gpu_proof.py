@@ -1,6 +1,6 @@
-"""The GPU proof kit (benchmarks/gpu_proof.py): its dry run on the CPU runs every step that needs no CUDA and skips
-the CUDA-only ones, and says so; its own reckoning (peaks, the trace check, which steps run) on its own; and where a
-GPU is, the CUDA paths with the dry run's tiny network (marked gpu)."""
+"""The GPU proof kit (benchmarks/gpu_proof.py): its dry run on the CPU runs every step that needs no CUDA, skips the
+CUDA-only ones and reports each gpu test of tests/test_gpu.py skipped by pytest, and says so; its own reckoning
+(peaks, targets, which steps and tests run, pytest's results read back) on its own."""
 
 from __future__ import annotations
 
@@ -23,34 +23,33 @@ from benchmarks.gpu_proof import (
     GRAPHS_SET,
     HOST_CACHE_SET,
     LAST_SETS,
-    OLD_STEP_SET,
+    METATENSOR_SET,
     SEED_SET,
     STEPS,
     THROUGHPUT_SETS,
+    Child,
+    Kit,
     StepFailed,
     _flags,
     _later_s,
-    compare_with_key_averages,
     fastest_row_classes,
     format_markdown,
     fullct_rows,
-    helper_cuda_graphs,
+    gpu_tests,
     helper_network,
+    junit_records,
     kernel_classes,
     peak_bf16_tflops,
     row_classes,
     select,
-    step_cuda_graphs,
     step_fullct,
+    step_gpu_tests,
     targets,
 )
 from conftest import ROOT
 
 KIT = [sys.executable, "-m", "benchmarks.gpu_proof"]
 CUDA_ONLY = {s.name for s in STEPS if s.gpu_only}
-#: the CUDA paths the gpu tests run with the tiny network (the compiling ones take minutes: the kit itself runs them)
-GPU_PATHS = ("grad_scaler", "fused_adamw", "gpu_monitor", "resume", "summariser", "evaluate_oom", "inference_oom",
-             "torchrun", "throughput", "cuda_graphs")  # fmt: skip
 
 
 def run_kit(out: Path, *options: str) -> tuple[dict, str]:
@@ -72,10 +71,12 @@ def dry_run(tmp_path_factory) -> tuple[dict, str, Path]:
     return report, stdout, out
 
 
-def test_dry_run_reports_every_step_and_none_fails(dry_run):
+def test_dry_run_reports_every_step_and_each_gpu_test_and_none_fails(dry_run):
     report, stdout, out = dry_run
     steps = by_name(report)
-    assert list(steps) == [s.name for s in STEPS]
+    names = [s.name for s in STEPS]
+    at = names.index("gpu_tests") + 1
+    assert list(steps) == [*names[:at], *gpu_tests(), *names[at:]], "each gpu test a step of its own, after theirs"
     assert not {name: s["error"] for name, s in steps.items() if s["status"] == "failed"}
     # a running total after every step, and the report's header: the machine and the versions
     assert stdout.count("| total ") == len(STEPS)
@@ -85,48 +86,41 @@ def test_dry_run_reports_every_step_and_none_fails(dry_run):
     assert env["bundle_version"] == version, "the run's files say which version gave their numbers"
     markdown = (out / "gpu_proof.md").read_text()
     assert markdown.startswith("# GPU proof kit (DRY RUN on the CPU") and "no number here is a GPU number" in markdown
-    assert all(f"| {s.name} |" in markdown for s in STEPS)
+    assert all(f"| {name} |" in markdown for name in steps)
 
 
-def test_cuda_only_steps_say_no_gpu_and_the_others_ran(dry_run):
+def test_cuda_only_steps_say_no_gpu_the_gpu_tests_say_why_and_the_others_ran(dry_run):
+    """The dry run hides the GPU from pytest, which skips every gpu test with conftest.py's reason; the kit records
+    each so, and its gpu_tests step (pytest ran, nothing failed) ok."""
     steps = by_name(dry_run[0])
-    assert {"grad_scaler", "fused_adamw", "gpu_monitor", "cuda_graphs", "compile_cache"} == CUDA_ONLY
+    assert {"compile_cache"} == CUDA_ONLY
     for name, step in steps.items():
         expected = ("skipped", "no GPU") if name in CUDA_ONLY else ("ok", None)
+        expected = ("skipped", "needs a CUDA/ROCm GPU") if name in gpu_tests() else expected
         assert (step["status"], step.get("reason")) == expected, name
+    assert steps["gpu_tests"]["numbers"]["skipped"] == len(gpu_tests()) >= 10
+    assert (dry_run[2] / "gpu_tests.xml").is_file(), "pytest's junit-xml, read back"
 
 
-def test_summariser_agrees_with_key_averages_of_the_same_run(dry_run):
-    numbers = by_name(dry_run[0])["summariser"]["numbers"]
-    assert {"step", "forward", "backward", "optimizer"} <= set(numbers["sections"])
-    checks = {c["what"]: c for c in numbers["checks"]}
-    assert all(c["ok"] for c in checks.values()), checks
-    assert checks["forward: instances"]["summariser"] == checks["forward: instances"]["key_averages"] == 1
-    assert checks["kernels"]["summariser"] == checks["kernels"]["key_averages"] == 0  # a CPU trace has none
-    assert numbers["mb_per_s"] > 0 and numbers["trace_mb_uncompressed"] > 0
-
-
-def test_the_cpu_run_says_plainly_that_its_traces_hold_no_device_time(dry_run):
-    """The kernel-class tables of a dry run: the profiled defaults run's trace has no kernel (a CPU), and no
-    throughput row profiled busy steps (a GPU's), so the fastest row has no trace; both say so."""
+def test_the_cpu_run_says_plainly_that_it_holds_no_device_time(dry_run):
+    """The kernel-class tables of a dry run: no profile test ran and no throughput row profiled busy steps (a GPU's),
+    so neither the defaults nor the fastest row has a trace; both say so."""
     report, stdout, out = dry_run
-    numbers = by_name(report)["summariser"]["numbers"]
-    assert numbers["device"]["events"] == 0 and numbers["idle"] is None
     rows = by_name(report)["throughput"]["numbers"]["rows"]
     assert all(r.get("trace") is None for r in rows if r["status"] == "ok")
     found = report["kernel_classes"]
-    assert found["defaults"]["device"]["events"] == 0
+    assert found["defaults"]["reason"] == "no profiled run: the profile test and the defaults row left no trace"
     assert found["fastest"]["reason"].startswith("no trace: its busy steps were not profiled")
     markdown = (out / "gpu_proof.md").read_text()
-    assert "device time by kernel class: none: no kernel, copy or memset in this trace (a CPU-only run)" in markdown
+    assert "Profiled defaults run: no profiled run: the profile test and the defaults row left no trace." in markdown
     assert f"Fastest throughput row, {found['fastest']['loop']}: no trace: its busy steps" in markdown
     assert "Where the GPU's time goes" in stdout
 
 
 def test_the_kernel_class_tables_of_a_gpu_run_in_the_report(dry_run, tmp_path):
-    """On a GPU both tables come from traces with kernels (here the H200 runs' in tests/data/h200/: the first run's
-    profile for the defaults, the tiny kit run's busy steps for the fastest row); the fastest row is the one with the
-    most patches a second, whose trace the report reads, with the row's own GPU-busy share beside the table."""
+    """On a GPU both tables come from traces with kernels (here an H200's in tests/data/h200/: a profile.yaml run's
+    for the defaults, a tiny kit run's busy steps for the fastest row); the fastest row is the one with the most
+    patches a second, whose trace the report reads, with the row's own GPU-busy share beside the table."""
     from scripts.profiling.summarize_trace import summarize
 
     profile = str(ROOT / "tests" / "data" / "h200" / "4-chrome_trace.json.gz")
@@ -142,7 +136,7 @@ def test_the_kernel_class_tables_of_a_gpu_run_in_the_report(dry_run, tmp_path):
     defaults = {"trace": profile, **{k: v for k, v in summarize(profile).items() if k in ("device", "idle")}}
     report["kernel_classes"] = {"defaults": defaults, "fastest": fastest}
     markdown = format_markdown(report)
-    assert f"Profiled defaults run (profile step), `{profile}`:" in markdown
+    assert f"Profiled defaults run, `{profile}`:" in markdown
     assert "device time by kernel class (5132 kernels, copies and memsets, 306.952 ms):" in markdown
     assert "device idle 51.0 % of the profiled steps (2 ProfilerStep ranges, 626.015 ms)" in markdown
     assert f"Fastest throughput row, {COMPILE_SET} (the benchmark's GPU busy 88.0 %), `{trace}`:" in markdown
@@ -173,25 +167,8 @@ def test_the_bench_keeps_the_busy_steps_trace_of_a_row_faster_than_the_rows_befo
     assert not _fastest_so_far([{"report": {"result": {"patches_per_s": 3.0}}}, records[-1]], records[-1])
 
 
-def test_resume_continues_from_the_saved_epoch(dry_run):
-    steps = by_name(dry_run[0])
-    assert steps["train"]["numbers"]["checkpoint"]["epoch"] == 1
-    assert steps["resume"]["numbers"] == {"resumed_from_epoch": 1, "epoch_after": 2, "iteration_after": 2}
-
-
-def test_evaluation_and_inference_fall_back_once_and_inference_writes_nifti_and_seg(dry_run):
-    import pydicom
-
-    steps = by_name(dry_run[0])
-    assert steps["evaluate_oom"]["numbers"]["fallbacks"] == 1 and steps["evaluate_oom"]["numbers"]["failed"] == 0
-    inference = steps["inference_oom"]["numbers"]
-    assert inference["fallbacks"] == 1
-    assert inference["nifti"].endswith("_seg.nii.gz") and Path(inference["nifti"]).stat().st_size > 0
-    assert pydicom.dcmread(inference["seg"], stop_before_pixels=True).Modality == "SEG"
-
-
 def test_throughput_rows_run_in_their_steps_children_and_claim_no_gpu_number(dry_run):
-    """The baseline and the new rows first (one child), the compile rows (a GPU's: skipped), the earlier runs' rows
+    """The baseline and the throughput rows first (one child), the compile rows (a GPU's: skipped), the older rows
     last (one child); on a CPU the rows a CPU can run ran, and the others say why not."""
     report, _, out = dry_run
     steps = by_name(report)
@@ -201,7 +178,7 @@ def test_throughput_rows_run_in_their_steps_children_and_claim_no_gpu_number(dry
     assert list(earlier) == list(LAST_SETS)
     assert steps["compile_cache"]["reason"] == "no GPU"
     ran = list(report["throughput"])
-    on_a_cpu = [DEFAULTS_SET, OLD_STEP_SET, HOST_CACHE_SET, SEED_SET]
+    on_a_cpu = [DEFAULTS_SET, METATENSOR_SET, HOST_CACHE_SET, SEED_SET]
     assert [r["loop"] for r in ran] == on_a_cpu, "the rows a CPU can run"
     skipped = [row for name, row in {**rows, **earlier}.items() if name not in on_a_cpu]
     assert all(row["status"] == "skipped" and row["reason"] == "no GPU" for row in skipped)
@@ -229,8 +206,8 @@ def test_throughput_rows_run_in_their_steps_children_and_claim_no_gpu_number(dry
 
 def test_the_network_step_reads_train_yamls_own_patch_count(tmp_path):
     """The dry run overrides num_samples; the GPU run does not, and train.yaml's is a reference
-    (``@displayable_configs#num_samples``): read raw, it ended the H200 run's network step. Without the override the
-    step counts train.yaml's 4 patches (here on the dry run's small network)."""
+    (``@displayable_configs#num_samples``): read raw, it would end the network step. Without the override the step
+    counts train.yaml's 4 patches (here on the dry run's small network)."""
     settings = {k: v for k, v in DRY.settings.items() if k != "num_samples"} | {"model_path": str(tmp_path / "m.pt")}
     helper_network(str(tmp_path / "network.json"), settings)
     numbers = json.loads((tmp_path / "network.json").read_text())
@@ -283,7 +260,7 @@ def test_the_kernel_classes_read_the_defaults_row_and_the_fastest_row_of_every_s
     assert found["defaults"]["loop"] == DEFAULTS_SET and found["defaults"]["device"]["events"] == 2823
     assert found["fastest"]["loop"] == COMPILE_GRAPHS_SET and "patches_per_s" not in found["fastest"]
     assert kernel_classes({})["fastest"] == {"reason": "the throughput step did not run"}
-    assert kernel_classes({})["defaults"] == {"reason": "the summariser step did not run"}
+    assert kernel_classes({})["defaults"]["reason"].startswith("no profiled run: the profile test and the defaults row")
 
 
 def test_every_full_ct_run_sets_inference_ids_to_values_of_their_types():
@@ -312,7 +289,7 @@ def test_every_full_ct_run_sets_inference_ids_to_values_of_their_types():
 
 
 def test_a_full_ct_run_that_fails_keeps_the_other_runs_rows_and_says_which_failed(monkeypatch):
-    """A run of FULLCT_RUNS never measured before (fused attention, 8 windows) may fail on a GPU: the runs after it
+    """A run of FULLCT_RUNS (fused attention, 8 windows) may fail on a GPU: the runs after it
     still run, the step fails naming it with its log's tail, and the rows of the others reach the table and the
     targets."""
     import benchmarks.gpu_proof as kit_module
@@ -335,44 +312,27 @@ def test_a_full_ct_run_that_fails_keeps_the_other_runs_rows_and_says_which_faile
     assert len(rows) == 2 * (len(FULLCT_RUNS) - 1)
 
 
-def test_a_short_budget_drops_the_earlier_rows_never_the_new_ones():
-    """The rows earlier runs measured run last, in a step that reserves nothing (the budget left is theirs), while the
-    new rows' steps reserve the time of the steps after them; in the GPU command's selection (the report's) the
-    estimates of the new steps fit its budget of 450 s, the throughput step's new rows before its deadline."""
+def test_a_short_budget_drops_the_tests_and_the_earlier_rows_never_the_new_rows():
+    """The gpu tests and the rows of older settings run last, in steps that reserve nothing (the budget left is
+    theirs), while the new rows' steps reserve the time of the steps after them; in the GPU command's selection
+    (docs/performance.md's) the estimates of the new steps fit its budget of 450 s, the throughput step's new rows
+    before its deadline, and a name that is no step picks the gpu tests that hold it."""
     assert STEPS[-1].name == "throughput_earlier" and set(EARLIER_SETS).isdisjoint({*THROUGHPUT_SETS, *COMPILE_SETS})
     assert {HOST_CACHE_SET, SEED_SET, "amp bfloat16"} <= set(EARLIER_SETS)
-    steps = select(STEPS, "throughput,cuda_graphs,compile_cache,fullct_inference,throughput_earlier")
-    assert [s.name for s in steps] == ["environment", "data", "network", "cuda_graphs", "throughput", "compile_cache",
-                                       "fullct_inference", "throughput_earlier"]  # fmt: skip
+    steps, keywords = select(STEPS, "throughput,cuda_graphs,compile_cache,fullct_inference,throughput_earlier")
+    assert [s.name for s in steps] == ["environment", "data", "network", "throughput", "compile_cache",
+                                       "fullct_inference", "gpu_tests", "throughput_earlier"]  # fmt: skip
+    assert keywords == ["cuda_graphs"] and gpu_tests(keywords) == ["test_cuda_graphs_give_the_eager_losses_and_weights"]
     kit = SimpleNamespace(steps=steps, sizes=GPU, gpu=True)
     estimate = GPU.estimates_s
     later = estimate["compile_cache"] + estimate["fullct_inference"]
-    assert _later_s(kit, "throughput") == later, "the earlier rows reserve nothing"
-    assert _later_s(kit, "compile_cache") == estimate["fullct_inference"] and _later_s(kit, "throughput_earlier") == 0
-    before = sum(estimate[name] for name in ("environment", "data", "network", "cuda_graphs"))
+    assert _later_s(kit, "throughput") == later, "the gpu tests and the earlier rows reserve nothing"
+    assert _later_s(kit, "compile_cache") == estimate["fullct_inference"] and _later_s(kit, "gpu_tests") == 0
+    before = sum(estimate[name] for name in ("environment", "data", "network"))
     new_rows = sum(estimate[name] for name in THROUGHPUT_SETS)
     assert new_rows <= 450 - later - before, "every new row starts before the throughput step's deadline"
     assert sum(estimate[name] for name in COMPILE_SETS) <= estimate["compile_cache"]
-    assert before + new_rows + later <= 450 - 30, "with half a minute to spare for the earlier rows"
-
-
-def test_the_cuda_graph_check_trains_monais_way_and_the_graphed_way_and_fails_without_a_capture(tmp_path):
-    """The check's helper on a CPU (the dry run's network, 3 steps): MONAI's own iteration and scripts.training.graphs'
-    train the same weights, bitwise (on a CPU every step is eager); the step, given those numbers, fails because nothing
-    was captured, and passes a graphed run that captured and replayed with the losses and weights alike."""
-    out = tmp_path / "cuda_graphs.json"
-    helper_cuda_graphs(str(out), {k: v for k, v in DRY.settings.items() if k != "device"}, steps=3, device="cpu")
-    numbers = json.loads(out.read_text())
-    assert numbers["bitwise_equal"] and numbers["max_loss_difference"] == 0 and numbers["weight_change"] > 0
-    assert numbers["graphed"]["summary"]["eager"] == 3 and len(numbers["eager"]["losses"]) == 3
-    kit = SimpleNamespace(sizes=DRY, helper=lambda *a, **k: numbers)
-    with pytest.raises(StepFailed, match="the graphed run did not capture once and replay"):
-        step_cuda_graphs(kit)
-    numbers["graphed"]["summary"] = {"captures": 1, "replayed": 4, "eager": 0, "disabled": None}
-    assert step_cuda_graphs(kit) is numbers
-    numbers["weight_difference"] = 0.02 * numbers["weight_change"]
-    with pytest.raises(StepFailed, match=r"the weights differ by .* \(L2\) against a change of"):
-        step_cuda_graphs(kit)
+    assert before + new_rows + later <= 450 - 30, "with half a minute to spare for the tests and the earlier rows"
 
 
 def test_peaks_come_from_the_device_name_and_an_unknown_device_gets_no_mfu():
@@ -386,66 +346,77 @@ def test_peaks_come_from_the_device_name_and_an_unknown_device_gets_no_mfu():
     assert peak_bf16_tflops("x86_64", False)[0] is None
 
 
-def test_trace_check_fails_where_the_summariser_and_key_averages_differ():
-    summary = {"sections": {"step": {"count": 2, "mean_s": 0.5}, "forward": {"count": 2, "mean_s": 0.1}},
-               "sources": {"step": "cpu", "forward": "kernels"}, "kernels": 10}  # fmt: skip
-    rows = [{"name": "__sec:step", "count": 2, "device_type": "CPU", "cpu_time_total_us": 1.0e6,
-             "device_time_total_us": 0.0},
-            {"name": "__sec:forward", "count": 2, "device_type": "CPU", "cpu_time_total_us": 0.05e6,
-             "device_time_total_us": 0.25e6},
-            {"name": "void kernel", "count": 9, "device_type": "CUDA", "cpu_time_total_us": 0.0,
-             "device_time_total_us": 0.15e6},
-            {"name": "Memcpy HtoD (Pageable -> Device)", "count": 4, "device_type": "CUDA", "cpu_time_total_us": 0.0,
-             "device_time_total_us": 0.01e6}]  # fmt: skip
-    checks = {c["what"]: c["ok"] for c in compare_with_key_averages(summary, rows)}
-    assert checks["step: instances"] and checks["step: CPU seconds"] and checks["forward: instances"]
-    assert not checks["forward: kernel span s >= kernel s in the range"], "0.25 s of kernels cannot fit in 0.2 s"
-    assert not checks["kernels"], "10 kernels against 9 (the copies are not kernels)"
-
-
-def test_the_trace_check_passes_on_the_first_h200_profile():
-    """The first GPU run's profile (tests/data/h200/: its chrome trace and key_averages(), as the kit wrote them on one
-    H200): CUDA gives two rows per range, and the check reads the CPU row's CPU time (the summariser's 0.494 s for two
-    steps) and the device row's kernel time, so every check holds where the kit reported a false disagreement."""
-    from scripts.profiling.summarize_trace import summarize
-
-    data = ROOT / "tests" / "data" / "h200"
-    summary = summarize(data / "4-chrome_trace.json.gz")
-    rows = json.loads((data / "4-key_averages.json").read_text())
-    checks = compare_with_key_averages(summary, rows)
-    assert [c for c in checks if not c["ok"]] == []
-    by_what = {c["what"]: c for c in checks}
-    assert by_what["step: CPU seconds"]["key_averages"] == pytest.approx(0.494288, abs=1e-6)
-    assert by_what["forward: kernel span s >= kernel s in the range"]["key_averages"] == pytest.approx(0.2394, abs=1e-4)
-    assert by_what["kernels"]["summariser"] == 4526
-
-
-def test_only_runs_the_named_steps_and_the_steps_they_need():
-    assert [s.name for s in select(STEPS, "resume")] == ["environment", "data", "train", "resume"]
-    assert [s.name for s in select(STEPS, "summariser,torchrun")] == [
-        "environment", "data", "profile", "summariser", "torchrun"]  # fmt: skip
-    with pytest.raises(SystemExit, match="unknown step"):
+def test_only_runs_the_named_steps_and_the_steps_they_need_and_picks_the_gpu_tests_by_name():
+    """A step's name runs it and what it needs; a name that is no step picks the gpu tests that hold it (each of the
+    GPU paths one at least), running them alone; a name of neither ends the command before any GPU time."""
+    first = ("environment", "data", "network", "throughput")
+    assert select(STEPS, "throughput") == ([s for s in STEPS if s.name in first], [])
+    steps, keywords = select(STEPS, "resume,torchrun")
+    assert [s.name for s in steps] == ["environment", "gpu_tests"] and keywords == ["resume", "torchrun"]
+    for path in ("train", "grad_scaler", "fused_adamw", "gpu_monitor", "resume", "profile", "summariser",
+                 "evaluate_oom", "inference_oom", "torchrun", "cuda_graphs"):  # fmt: skip
+        assert gpu_tests([path]), path
+    assert gpu_tests(["train"]) == ["test_train_runs_an_epoch_with_validation_and_checkpoints_it"]
+    with pytest.raises(SystemExit, match=r"--only: \['trian'\] name\(s\) no step and no gpu test"):
         select(STEPS, "trian")
 
 
-@pytest.fixture(scope="module")
-def tiny_on_gpu(tmp_path_factory) -> dict:
-    import torch
+def test_pytests_results_are_read_back_a_record_per_test(tmp_path):
+    """pytest's junit-xml, as the kit has it written: a test that passed (its recorded numbers, parsed back to values),
+    one that failed (its message and traceback) and one skipped (the reason)."""
+    xml = tmp_path / "results.xml"
+    xml.write_text(
+        '<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest" tests="3">'
+        '<testcase classname="tests.test_gpu" name="test_resume_continues_from_the_saved_epoch" time="12.34">'
+        '<properties><property name="iteration_after" value="4"/><property name="trace" value="/tmp/1-trace.json.gz"/>'
+        '<property name="seconds" value="{\'eager\': 1.5}"/></properties></testcase>'
+        '<testcase classname="tests.test_gpu" name="test_fused_adamw_ran" time="0.01">'
+        '<failure message="AssertionError: fused=False">trained[2] ...\nE   AssertionError</failure></testcase>'
+        '<testcase classname="tests.test_gpu" name="test_torchrun_with_nccl_runs_an_epoch_and_rank_0_checkpoints" '
+        'time="0">'
+        '<skipped type="pytest.skip" message="needs a CUDA/ROCm GPU">tests/test_gpu.py:1</skipped></testcase>'
+        "</testsuite></testsuites>"
+    )
+    ok, failed, skipped = junit_records(xml)
+    numbers = {"iteration_after": 4, "trace": "/tmp/1-trace.json.gz", "seconds": {"eager": 1.5}}
+    assert ok == {"name": "test_resume_continues_from_the_saved_epoch", "seconds": 12.3, "status": "ok",
+                  "title": "resume continues from the saved epoch", "numbers": numbers}  # fmt: skip
+    assert failed["status"] == "failed" and failed["error"].startswith("AssertionError: fused=False\ntrained[2]")
+    assert (skipped["status"], skipped["reason"]) == ("skipped", "needs a CUDA/ROCm GPU")
 
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA/ROCm device: the kit's GPU paths are proven where one is")
-    report, _ = run_kit(tmp_path_factory.mktemp("gpu_proof_tiny"), "--tiny", "true", "--only", ",".join(GPU_PATHS))
-    return by_name(report)
 
+def test_the_gpu_tests_step_reports_each_test_the_profile_tests_trace_and_those_the_budget_stopped(tmp_path):
+    """The step as a GPU run gives it pytest's results (here written by a stand-in for the pytest child): a record per
+    test with its numbers, where the GPU's time goes in the profile test's trace (an H200's, tests/data/h200/), a
+    failure named in the step's error; and pytest stopped at the time limit: the tests it did not reach, skipped
+    with the budget as the reason."""
+    trace = str(ROOT / "tests" / "data" / "h200" / "4-chrome_trace.json.gz")
+    summariser = ('<testcase name="test_summariser_agrees_with_key_averages_of_the_same_run" time="3.2"><properties>'
+                  f'<property name="trace" value="{trace}"/></properties></testcase>')  # fmt: skip
+    resume = ('<testcase name="test_resume_continues_from_the_saved_epoch" time="9"><failure message="AssertionError: '
+              'resumed from epoch 0">...</failure></testcase>')  # fmt: skip
+    kit, calls = Kit(tmp_path, dry_run=False, gpu=True, budget_s=450), []
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("step", ["train", "profile", *GPU_PATHS])
-def test_gpu_path_runs_on_the_device(tiny_on_gpu, step):
-    assert tiny_on_gpu[step]["status"] == "ok", tiny_on_gpu[step]
+    def pytest_child(module, args, log, timeout_s, env=None):
+        calls.append((module, args, env))
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log.write_text("E   AssertionError: resumed from epoch 0\n")
+        cases = summariser + resume if len(calls) == 1 else summariser
+        (tmp_path / "gpu_tests.xml").write_text(f"<testsuites><testsuite>{cases}</testsuite></testsuites>")
+        return Child(1 if len(calls) == 1 else None, 12.0, log)
 
-
-@pytest.mark.gpu
-def test_gpu_trace_holds_kernels_and_the_fp16_run_scaled_its_loss(tiny_on_gpu):
-    assert tiny_on_gpu["summariser"]["numbers"]["kernels"] > 0
-    assert tiny_on_gpu["grad_scaler"]["numbers"]["scale"] > 0
-    assert tiny_on_gpu["torchrun"]["numbers"]["backend"] == "nccl"
+    kit.runner.module, kit.keywords = pytest_child, ["summariser", "resume"]
+    with pytest.raises(StepFailed, match=r"failed: \['test_resume_continues_from_the_saved_epoch'\]") as failed:
+        step_gpu_tests(kit)
+    module, args, env = calls[0]
+    assert module == "pytest" and args[:3] == ["-m", "gpu", str(ROOT / "tests" / "test_gpu.py")]
+    assert args[-2:] == ["-k", "summariser or resume"] and "addopts=" in args and env == {"GPU_PROOF_SIZES": "full"}
+    numbers = failed.value.numbers
+    assert [t["status"] for t in numbers["tests"]] == ["ok", "failed"] and numbers["failed"] == 1
+    assert numbers["defaults"]["trace"] == trace and numbers["defaults"]["device"]["events"] == 5132
+    assert "resumed from epoch 0" in failed.value.tail
+    kit.keywords = ["summariser", "profile"]
+    numbers = step_gpu_tests(kit)  # stopped at its limit: the results pytest wrote when interrupted, then the rest
+    assert [t["name"] for t in numbers["tests"]] == [*gpu_tests(["summariser"]), *gpu_tests(["profile"])]
+    assert {k: numbers["tests"][-1][k] for k in ("status", "seconds", "reason")} == {
+        "status": "skipped", "seconds": 0.0, "reason": "budget: pytest stopped after 12 s"}  # fmt: skip

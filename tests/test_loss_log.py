@@ -10,7 +10,7 @@ import re
 
 import pytest
 import torch
-from benchmarks.bench_host import HostReads
+from host_reads import HostReads
 from ignite.engine import Engine, Events
 from monai.engines import SupervisedTrainer
 from monai.handlers import StatsHandler

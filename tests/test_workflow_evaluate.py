@@ -10,6 +10,7 @@ import nibabel as nib
 import numpy as np
 import pytest
 from conftest import bundle_run, configs, demo_args
+from faults import INJECTED_OOM
 
 DEMO_EVALUATE = configs("train.yaml", "demo.yaml", "evaluate.yaml")
 # inference with the demo's weights: the demo's settings come from demo.yaml, layered as in training
@@ -25,9 +26,11 @@ def evaluated(demo_run, tmp_path_factory):
     tmp, _, _ = demo_run
     eval_dir = tmp_path_factory.mktemp("eval")
     args = demo_args(tmp, shrink=False, config_file=DEMO_EVALUATE)
-    # the first case runs out of memory (forced): its prediction is stitched on the CPU, then scored like the others
+    # the first case runs out of memory (tests/faults.py): its prediction is stitched on the CPU, then scored like the
+    # others
     result = bundle_run("evaluate", *args, "--eval_dir", str(eval_dir), "--save_predictions", "true",
-                        "--eval_pictures", "1", "--sliding_window_inferer#force_oom", "1")  # fmt: skip
+                        "--eval_pictures", "1", "--sliding_window_inferer#_target_", "faults.OutOfMemoryOnce",
+                        with_faults=True)  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return tmp, eval_dir, result
 
@@ -49,7 +52,9 @@ def test_evaluate_writes_one_row_per_case_with_dice_equal_to_a_recount(evaluated
         assert float(row["GTV-1_hd95_mm"]) >= 0 and 0 <= float(row["GTV-1_surface_dice"]) <= 1
     summary = json.loads((eval_dir / "metrics_summary.json").read_text())
     assert summary["num_cases"] == len(rows) and not summary.get("failed")
-    assert "out of memory forced by force_oom" in evaluated[2].stderr + evaluated[2].stdout, "the fallback ran"
+    output = evaluated[2].stderr + evaluated[2].stdout
+    assert output.count("out of memory in sliding-window inference") == 1, "the fallback ran, for one case"
+    assert INJECTED_OOM in output, "the fallback's warning quotes the injected error"
     assert summary["metrics"]["GTV-1_dice"]["mean"] > 0.7  # the demo network finds the synthetic tumour
 
 

@@ -8,8 +8,7 @@ every structure, so a softmax gives it probability 1). ``region="body"`` runs th
 body crop). What it did for the last input -- the box in voxels and world mm, the windows run and the windows the
 whole input would have needed, the seconds spent finding the region and predicting -- is in :attr:`last`. On an
 out-of-memory error the case is run again once with the windows on the accelerator (``sw_device``) and the output
-stitched in CPU memory. ``force_oom=N`` makes the first N cases run out of memory on purpose, so that a run proves the
-fallback on a real device (``benchmarks/gpu_proof.py`` passes ``--sliding_window_inferer#force_oom 1``).
+stitched in CPU memory.
 :class:`RuntimeSlidingWindowInferer` is inference.yaml's ``inferer`` where the bundle's Python is importable: the same
 sliding window over the PyTorch network it is handed (MONAI Label hands it its own ``network_def`` with
 ``models/model.pt``), run on a CPU by the bundle's CPU runtime, through the export cache ``monai.bundle run inference``
@@ -62,7 +61,6 @@ class FallbackSlidingWindowInferer(SlidingWindowInferer):
         spacing: Sequence[float] = (1.0, 1.0, 3.0),
         hu_window: Sequence[float] = (-1000.0, 500.0),
         margin_mm: Sequence[float] = MARGIN_MM,
-        force_oom: int = 0,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
@@ -70,7 +68,6 @@ class FallbackSlidingWindowInferer(SlidingWindowInferer):
             raise ValueError(f"roi_region={region!r}: choose one of {list(REGIONS)}.")
         self.region, self.spacing, self.hu_window = region, [float(s) for s in spacing], [float(h) for h in hu_window]
         self.margin_mm = [float(m) for m in margin_mm]
-        self.force_oom = int(force_oom)  # cases left to fail with a simulated out-of-memory error
         self.last: dict[str, Any] = {}
 
     def __call__(self, inputs: torch.Tensor, network, *args: Any, **kwargs: Any):
@@ -99,9 +96,6 @@ class FallbackSlidingWindowInferer(SlidingWindowInferer):
     def _run(self, inputs: torch.Tensor, network, *args: Any, **kwargs: Any):
         """The sliding window over ``inputs``; on out-of-memory, once more with the output stitched on the CPU."""
         try:
-            if self.force_oom > 0:
-                self.force_oom -= 1
-                raise OUT_OF_MEMORY("out of memory forced by force_oom (a test of this fallback)")
             return super().__call__(inputs, network, *args, **kwargs)
         except (OUT_OF_MEMORY, RuntimeError) as err:
             if not isinstance(err, OUT_OF_MEMORY) and "out of memory" not in str(err).lower():

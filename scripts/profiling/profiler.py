@@ -9,7 +9,7 @@ cycle, under ``<output_dir>/profiler/``:
   ``python -m scripts.summarize_trace``;
 * ``<step>-trace_summary.txt`` -- key averages sorted by device time (self CPU time on a CPU-only run);
 * ``<step>-key_averages.json`` -- every row of those key averages as numbers (microseconds), torch's own accounting
-  of the same events, against which a summary of the trace can be checked (``benchmarks/gpu_proof.py`` does);
+  of the same events, against which a summary of the trace can be checked (``tests/test_gpu.py`` does);
 * ``memory.pickle`` -- CUDA/ROCm allocator history from the start until the end of the first cycle
   (https://pytorch.org/memory_viz); skipped, with a log line, without a GPU.
 
