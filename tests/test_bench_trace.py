@@ -1,5 +1,6 @@
-"""bench_trace's generator and plumbing on small traces: every shape it writes is a valid trace whose statistics the
-generator, a full json.load reference and the summariser (each parser) agree on."""
+"""The synthetic traces of tests/trace_factory.py and the plumbing of benchmarks/bench_trace.py on small traces: every
+shape is a valid trace whose statistics the generator, the full json.load reference of tests/trace_reference.py and
+the summariser (each parser) agree on."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import os
 import re
 
 import pytest
+import trace_factory as tf
+import trace_reference as tr
 from benchmarks import bench_trace as bt
 from scripts.profiling import summarize_trace as st
 
@@ -24,22 +27,22 @@ def parsers() -> list[str]:
     return ["auto", "orjson", "json"]
 
 
-@pytest.mark.parametrize("shape", bt.SHAPES)
+@pytest.mark.parametrize("shape", tf.SHAPES)
 def test_every_shape_agrees_with_a_full_load_reference(tmp_path, shape):
     path = tmp_path / f"{shape}.json"
     packed = tmp_path / f"{shape}.json.gz"
-    expected = bt.write_trace(path, SMALL, shape, gz_path=packed, ops_scale=SCALE)
+    expected = tf.write_trace(path, SMALL, shape, gz_path=packed, ops_scale=SCALE)
     assert gzip.decompress(packed.read_bytes()) == path.read_bytes()
-    reference, device = bt.reference_summary(path), bt.reference_device(path)
-    assert bt.compare(expected["sections"], reference) == []
-    assert bt.compare_device(bt._as_summary(expected["device"]), device) == []
+    reference, device = tr.reference_summary(path), tr.reference_device(path)
+    assert tr.compare(expected["sections"], reference) == []
+    assert tr.compare_device(tr.as_summary(expected["device"]), device) == []
     assert 0 < device["busy_ms"] < device["ms"] < device["wall_ms"]  # streams overlap; the steps wait for data
     assert len(json.loads(path.read_text())["traceEvents"]) == expected["events"]
     for parser in parsers():
         for trace in (path, packed):
             summary = st.summarize(trace, parser=parser)
-            assert bt.compare(summary["sections"], reference) == [], (parser, trace.name)
-            assert bt.compare_device(summary, device) == [], (parser, trace.name)
+            assert tr.compare(summary["sections"], reference) == [], (parser, trace.name)
+            assert tr.compare_device(summary, device) == [], (parser, trace.name)
             assert summary["events"] == expected["events"]
             assert summary["kernels"] == expected["kernels"]
 
@@ -47,16 +50,16 @@ def test_every_shape_agrees_with_a_full_load_reference(tmp_path, shape):
 def test_a_device_record_that_differs_is_reported():
     """compare_device names each number that differs: the event count exactly, times beyond 1 ns an event."""
     want = {"events": 10, "ms": 1.0, "wall_ms": 5.0, "busy_ms": 0.9}
-    good = bt._as_summary(want)
-    assert bt.compare_device(good, want) == [] and bt.compare_device(good, None) == []
-    bad = bt._as_summary({**want, "events": 9, "busy_ms": 0.9001})
-    assert bt.compare_device(bad, want) == ["device events 9 != 10", "device busy_ms 0.9001 != 0.9"]
-    assert bt.compare_device({"sections": {}}, want)[0] == "device events None != 10"  # a summariser without it
+    good = tr.as_summary(want)
+    assert tr.compare_device(good, want) == [] and tr.compare_device(good, None) == []
+    bad = tr.as_summary({**want, "events": 9, "busy_ms": 0.9001})
+    assert tr.compare_device(bad, want) == ["device events 9 != 10", "device busy_ms 0.9001 != 0.9"]
+    assert tr.compare_device({"sections": {}}, want)[0] == "device events None != 10"  # a summariser without it
 
 
 def test_orjson_parser_is_refused_clearly_where_it_is_missing(tmp_path, monkeypatch):
     path = tmp_path / "t.json"
-    bt.write_trace(path, SMALL, "cuda-after", ops_scale=SCALE)
+    tf.write_trace(path, SMALL, "cuda-after", ops_scale=SCALE)
     monkeypatch.setitem(__import__("sys").modules, "orjson", None)  # as if not installed
     with pytest.raises(st.TraceError, match="pip install orjson"):
         st.summarize(path, parser="orjson")
@@ -66,7 +69,7 @@ def test_shapes_differ_as_named(tmp_path):
     names = {}
     for shape in ("cuda-after", "hip-after", "mixed-before", "mixed-after-compact"):
         path = tmp_path / f"{shape}.json"
-        bt.write_trace(path, SMALL, shape, ops_scale=SCALE)
+        tf.write_trace(path, SMALL, shape, ops_scale=SCALE)
         events = json.loads(path.read_text())["traceEvents"]
         names[shape] = {e["name"] for e in events if "Launch" in e["name"]}
         kinds = [e.get("cat") for e in events if e.get("cat") in ("kernel", "cuda_runtime")]
@@ -74,9 +77,9 @@ def test_shapes_differ_as_named(tmp_path):
         assert (first_kernel < first_launch) == ("before" in shape), shape
         assert (path.read_text().count("\n  {\n") > 0) == ("compact" not in shape)
         tids = {e["tid"] for e in events if "Launch" in e["name"]}
-        assert bt.AUTOGRAD_TID in tids and bt.MAIN_TID in tids  # backward launches on autograd's thread
+        assert tf.AUTOGRAD_TID in tids and tf.MAIN_TID in tids  # backward launches on autograd's thread
         streams = {e["tid"] for e in events if e.get("cat") == "kernel"}
-        assert streams == {bt.COMPUTE_STREAM, bt.SIDE_STREAM}
+        assert streams == {tf.COMPUTE_STREAM, tf.SIDE_STREAM}
         assert any(e.get("cat") == "gpu_user_annotation" for e in events)
         assert any(e.get("ph") == "f" and e.get("cat") == "ac2g" for e in events)
     assert all(n.startswith("cu") for n in names["cuda-after"])
@@ -86,10 +89,10 @@ def test_shapes_differ_as_named(tmp_path):
 
 def test_child_run_reports_time_memory_and_a_table(tmp_path):
     path = tmp_path / "t.json"
-    expected = bt.write_trace(path, SMALL, "mixed-after", ops_scale=SCALE)
+    expected = tf.write_trace(path, SMALL, "mixed-after", ops_scale=SCALE)
     run = bt.run_summarizer(path, "auto")
     assert run["summary"] is not None, run["stderr"]
-    assert bt.compare(run["summary"]["sections"], expected["sections"]) == []
+    assert tr.compare(run["summary"]["sections"], expected["sections"]) == []
     assert run["wall_s"] > 0 and run["cpu_s"] > 0 and 5_000 < run["maxrss_kb"] < 256_000
     row = bt._row("mixed-after", path, path.stat().st_size, expected, run, [], 0.1)
     table = bt.markdown_table([row])
@@ -135,13 +138,13 @@ def test_a_baseline_copy_is_timed_beside_this_one_on_the_same_files_and_labelled
     __main__), right after it on each file and parser; its rows carry its label and the table gets a version
     column."""
     path = tmp_path / "t.json"
-    expected = bt.write_trace(path, SMALL, "mixed-after", ops_scale=SCALE)
+    expected = tf.write_trace(path, SMALL, "mixed-after", ops_scale=SCALE)
     copy = tmp_path / "old" / "summarize_trace.py"
     copy.parent.mkdir()
     copy.write_text(bt.SUMMARIZER.read_text().replace('"parser": ("orjson"', '"parser": "old-" + ("orjson"'))
     run = bt.run_summarizer(path, "auto", copy)
     assert run["summary"]["parser"] == "old-json-skim", run["stderr"]
-    assert bt.compare(run["summary"]["sections"], expected["sections"]) == []
+    assert tr.compare(run["summary"]["sections"], expected["sections"]) == []
     calls = []
     real = bt.run_summarizer
 
@@ -150,21 +153,21 @@ def test_a_baseline_copy_is_timed_beside_this_one_on_the_same_files_and_labelled
         return real(trace, parser, script)
 
     monkeypatch.setattr(bt, "run_summarizer", recorded)
-    versions = {"new": bt.SUMMARIZER, "0.5.1": copy}
+    versions = {"new": bt.SUMMARIZER, "old": copy}
     rows = bt._bench_shape("mixed-after", tmp_path, SMALL, ["auto"], keep=False, repeat=1, versions=versions)
     files = ("mixed-after.json", "mixed-after.json.gz")
     assert [(name, script) for name, _, script in calls] == [(f, v) for f in files for v in versions.values()]
     assert {(r["file"], r["version"], r["parser"], r["check"]) for r in rows} == {
-        (f, v, p, "ok") for f in (".json", ".json.gz") for v, p in (("new", "json-skim"), ("0.5.1", "old-json-skim"))
+        (f, v, p, "ok") for f in (".json", ".json.gz") for v, p in (("new", "json-skim"), ("old", "old-json-skim"))
     }
     table = bt.markdown_table(rows)
     assert table.splitlines()[0].startswith("| shape | file | parser | version | trace GB |")
-    assert "| mixed-after | .json.gz | old-json-skim | 0.5.1 | " in table
+    assert "| mixed-after | .json.gz | old-json-skim | old | " in table
 
 
 def test_kept_large_traces_are_reused_by_a_later_run_of_the_same_size(tmp_path, monkeypatch):
     written = []
-    real = bt.write_trace
+    real = tf.write_trace
 
     def counted(path, size, shape, gz_path):
         written.append(path.name)
@@ -183,7 +186,7 @@ def test_kept_large_traces_are_reused_by_a_later_run_of_the_same_size(tmp_path, 
 
 def _events_and_text(tmp_path, shape):
     path = tmp_path / f"{shape}.json"
-    expected = bt.write_trace(path, SMALL, shape, ops_scale=SCALE)
+    expected = tf.write_trace(path, SMALL, shape, ops_scale=SCALE)
     text = path.read_bytes().decode("utf-8")  # line ends as written
     return json.loads(text)["traceEvents"], text, expected
 
@@ -194,10 +197,10 @@ def _marked(event):
 
 
 def test_kineto_shapes_use_libkinetos_own_templates(tmp_path):
-    """The text of libkineto/src/output_json.cpp's templates: since April 2026 one key a line with the args field
-    after a line holding only a comma, and the stream-sync row's name in the older template; April 2022 - April
-    2026 keys sharing lines, metadata and global instants with ``name`` before ``ph``, CUPTI metadata whose line
-    breaks were removed."""
+    """The text of libkineto/src/output_json.cpp's templates: the current one (``kineto``) one key a line with the
+    args field after a line holding only a comma, and the stream-sync row's name in the older template; the one
+    before it (``kineto22``) keys sharing lines, metadata and global instants with ``name`` before ``ph``, CUPTI
+    metadata whose line breaks were removed."""
     _, k26, _ = _events_and_text(tmp_path, "cuda-window-kineto")
     assert k26.startswith(' {\n    "schemaVersion": 1,\n    "deviceProperties": [{"id": 0, "name": "NVIDIA H100')
     assert '\n  {\n    "ph": "X",\n    "cat": "kernel",\n    "name": "' in k26

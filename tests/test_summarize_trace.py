@@ -20,7 +20,7 @@ import pytest
 from scripts.profiling import summarize_trace as st
 
 ROOT = Path(__file__).resolve().parents[1]
-MODULE = ROOT / "scripts" / "summarize_trace.py"
+MODULE = ROOT / "scripts" / "profiling" / "summarize_trace.py"
 PID, TID, OTHER_TID, GPU_PID, STREAM = 4242, 4242, 4300, 0, 7
 
 # Per step k (4 steps, starting at k * 10_000 µs): the durations the trace is built from, in µs.
@@ -481,7 +481,7 @@ def test_the_busy_steps_trace_of_a_benchmark_row_is_summarised_over_its_device_s
 
 
 def test_device_classes_add_up_to_key_averages_device_total_on_the_h200_profile():
-    """The first H200 run's profile (tests/data/h200/): the classes' counts and milliseconds add up to what torch's
+    """The H200 profile of tests/data/h200/: the classes' counts and milliseconds add up to what torch's
     key_averages() of the same run holds for the device: its device rows less the record_function ranges mirrored on
     the GPU timeline (``__sec:*``, ``Optimizer.step#AdamW.step``: a name that is also a CPU row), the "Self CUDA time
     total" of its table (306.952 ms). Per class too, classifying key_averages' rows by the same rules. Counts are
@@ -510,9 +510,9 @@ def test_device_classes_add_up_to_key_averages_device_total_on_the_h200_profile(
 
 def test_the_longest_kernels_of_each_class_are_key_averages_longest_rows_of_that_class():
     """Per class, the kernels of one name together, longest first: the same names, counts and milliseconds as the
-    longest rows of key_averages() (one row a name) of the same run classified by the same rules, on the first H200
-    profile (to 1 ns an event, as the classes); copies and memsets are not kernels and are named in no list. The table
-    prints them, names cut."""
+    longest rows of key_averages() (one row a name) of the same run classified by the same rules, on the H200 profile
+    of tests/data/h200/ (to 1 ns an event, as the classes); copies and memsets are not kernels and are named in no
+    list. The table prints them, names cut."""
     summary = st.summarize(H200 / "4-chrome_trace.json.gz")
     rows = json.loads((H200 / "4-key_averages.json").read_text())
     ranges = {r["name"] for r in rows if r["device_type"] == "CPU"}
@@ -688,8 +688,9 @@ NESTED_LIKE_A_KERNEL = {
 
 
 def _render(ev, rng):
-    """One event in a layout drawn at random: kineto 2026 (a key a line, ``"dur": ...\\n    ,\\n    "args": {``),
-    kineto 2022 (keys sharing lines), one line, minified, name first, args first and indented, CRLF and tabs."""
+    """One event in a layout drawn at random: kineto's current template (a key a line, ``"dur": ...\\n    ,\\n
+    "args": {``), the one before it (keys sharing lines), one line, minified, name first, args first and indented,
+    CRLF and tabs."""
     ascii_only = rng.random() < 0.5
     dump = lambda v: json.dumps(v, ensure_ascii=ascii_only)  # noqa: E731
     keys = [k for k in ev if k != "args"]
@@ -1085,7 +1086,7 @@ def test_gzip_members_and_padding_inflate_whole_at_any_chunk_boundary(tmp_path, 
 
 
 def test_cli_refuses_an_unknown_parser_naming_the_choices(tmp_path):
-    result = run_cli(write(tmp_path / "trace.json", make_trace()), "--parser", "ijson")  # a parser of 0.5.1
+    result = run_cli(write(tmp_path / "trace.json", make_trace()), "--parser", "ijson")  # a parser it does not have
     assert result.returncode == 2 and "unknown parser 'ijson'; use one of auto, orjson, json" in result.stderr
     assert "Traceback" not in result.stderr
 

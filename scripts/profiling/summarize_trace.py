@@ -1,60 +1,31 @@
 """Per-section timing statistics from a torch.profiler chrome trace, streamed (the file is never loaded whole).
 
-Input: a chrome trace written by ``torch.profiler`` (``{"traceEvents": [...], ...}`` or a bare list of events) as
-``.json``, ``.json.gz`` or a ``.zip`` holding one ``.json``; the format is told from the file's first bytes. The file
-is only ever opened for reading.
-Output: for every ``record_function`` range named ``__sec:<name>`` (``step``, ``loader_first``, ``loader_next``,
-``forward``, ``backward``, ``optimizer``, or any other), the count, min, mean, median and max duration in seconds;
-the device time per kernel class and the device's idle share of the profiled steps (below).
+Input: a chrome trace of ``torch.profiler`` (``{"traceEvents": [...], ...}`` or a bare list of events), ``.json``,
+``.json.gz`` or a ``.zip`` holding one ``.json`` (told apart by their first bytes), opened read-only.
 
-* ``step``, ``loader_*``, ``optimizer`` and any other section: the CPU duration (``dur``) of each range instance.
-* ``forward`` and ``backward``: accelerator time, from the first kernel start to the last kernel end among the kernels
-  launched inside the range instance: a launch (a runtime call named in :data:`LAUNCH_NAMES`, CUDA or HIP, matched by
-  name whatever its ``cat``) on the range's pid/tid (any thread of the pid for ``backward``, whose kernels
-  autograd launches from its own device threads) with ``range.ts <= launch.ts <= range.ts + range.dur``, tied to its
-  kernel (``cat == "kernel"``) by ``args.correlation``. Copies and memsets (``cudaMemcpyAsync``, ``cudaMemsetAsync``
-  and their GPU ``gpu_memcpy`` / ``gpu_memset`` events) are not kernels and are not counted: the sections time
-  compute, and a copy the training loop makes is the loader's business. A graph launch counts all its kernels (they
-  share its correlation id). An instance with no matched kernel (a CPU-only trace) falls back to its CPU duration;
-  ``sources`` in the summary says which was used. GPU-timeline copies of the ranges (``gpu_user_annotation``) are
-  ignored. Correlation ids are assumed unique within the trace (one process per trace, as torch writes them).
+Output: per ``record_function`` range named ``__sec:<name>`` (``step``, ``loader_first``, ``loader_next``, ``forward``,
+``backward``, ``optimizer`` or any other), the count, min, mean, median and max duration in seconds. ``forward`` and
+``backward`` are timed on the accelerator: the first start to the last end of the kernels (``cat == "kernel"``, tied
+by ``args.correlation``) whose launch (a call of :data:`LAUNCH_NAMES`, CUDA or HIP, whatever its ``cat``) lies in the
+range instance on its thread (any thread of the process for ``backward``: autograd launches from its own threads).
+Copies and memsets are not kernels (the sections time compute); a graph launch counts all its kernels; correlation
+ids are taken as unique in a trace (one process per trace, as torch writes them). An instance without a matched
+kernel (a CPU-only trace) falls back to its CPU duration (``dur``), which times every other section; ``sources`` says
+which was used. GPU-timeline copies of the ranges (``gpu_user_annotation``) are ignored.
 
-Where the device's time goes: every kernel, copy and memset on the device's timeline (``cat`` ``kernel``,
-``gpu_memcpy``, ``gpu_memset``) is counted in one class of :data:`KERNEL_CLASSES` (convolution, matrix product /
-attention, normalisation, layout conversion and copies, element-wise, reductions, softmax, memcpy/memset, other),
-by a small ordered table of name patterns that holds CUDA's and ROCm's names alike; per class the count, the device
-time and its share of all device time (the same total as ``key_averages()``'s self device time), and its longest
-kernels by name (:data:`TOP_KERNELS` of them: what a class's time is, e.g. which fused kernel of torch.compile holds a
-softmax). And the device's
-idle share of the profiled steps: the wall time of the ``ProfilerStep#N`` ranges torch.profiler's schedule records
-(their union) less the union of the device intervals inside them (kernels overlapping on several streams count
-once); a trace without them (a profiler started and stopped by hand) is measured over the span from the first
-device start to the last device end instead, and says so.
+Where the device's time goes: every kernel, copy and memset of the device's timeline in a class of
+:data:`KERNEL_CLASSES` (CUDA's and ROCm's names alike), per class the count, the time, its share of all device time
+(``key_averages()``'s self device time) and its :data:`TOP_KERNELS` longest kernels by name; and the device's idle
+share of the profiled steps: the union of the ``ProfilerStep#N`` ranges less the union of the device intervals in them
+(without such ranges, from the first device start to the last device end, and the summary says so).
 
-What is kept: :data:`KINDS`, one table, declares every kind of event the summary is made of (section ranges,
-launches, kernels, copies, profiled steps): what it is kept for, the literal the text of every such event holds, and
-the numbers kept of it (doubles, in one flat array per kind: 24 bytes a launch, 40 a kernel, 16 a copy). One pass;
-events may come in any order. The class of a kernel is kept as its index in the class table (names are classified
-once each, through a bounded cache), its name as a number (the first :data:`NAMES_KEPT` distinct names are numbered;
-a kernel of any later name counts as "other names"); the idle share sorts the device intervals' starts and their
-ends, each into an array of doubles, once, at the end.
+One pass, events in any order, a few doubles kept an event (:data:`KINDS`). ``parser``: ``"auto"`` (default) skims
+the text whatever its layout and decodes, by the C scanner of :mod:`json`, only the events that hold a kind's marker
+(:class:`_ArrayReader`), in work linear in the file's size; ``"orjson"`` (optional) decodes those with orjson, faster,
+to the same values; ``"json"`` decodes and so checks every event. Truncation is always detected.
 
-Parsing (``parser``), in one process: ``"auto"`` (default, standard library) reads text in 1 MiB chunks and skims
-it, whatever the layout and however layouts are mixed in one file (kineto's templates of any year, one event a line,
-keys sharing lines, indented): each chunk is searched once, in C, for the text between two events (``}``, comma,
-``{`` and a key), for objects opened inside lists (which could be events' args rather than events), and for the
-kinds' literals (and any backslash escape). Events between two such boundaries are counted without being decoded;
-those holding a literal are decoded from their exact text by the C scanner of :mod:`json`; an event whose text is
-ambiguous (a list of objects inside it, or such text in its strings) is decoded by that scanner on its own, and
-counting goes on after it. No text is searched or decoded more than a constant number of times
-(:class:`_ArrayReader`; ``work`` counts it). ``"orjson"`` (optional: ``pip install orjson``) skims the same way but
-decodes the picked events with orjson, about 3x faster than the json scanner, to the same values. ``"json"`` decodes
-and so checks every event (slower). The file is read and inflated in the parser's thread. Skipped events are not
-validated; truncation is always detected, since the last events and the closing bracket go through the checked
-parser. ``python -m benchmarks.bench_trace`` measures every shape.
-
-Standalone: standard library only (``fire`` is used when installed, ``orjson`` when installed and asked for),
-nothing from the bundle, no torch, so it runs on a laptop next to a trace copied from a cluster::
+Standalone: standard library only (``fire`` and ``orjson`` where installed), nothing from the bundle, no torch, so it
+runs on a laptop next to a trace copied from a cluster::
 
     python -m scripts.summarize_trace runs/profile/trace.json.gz [--format json]
     python summarize_trace.py trace.json            # the file copied anywhere
@@ -83,98 +54,55 @@ SECTION_PREFIX = "__sec:"
 SECTION_ORDER = ("step", "loader_first", "loader_next", "forward", "backward", "optimizer")
 #: Sections timed on the accelerator (from their kernels) rather than by their CPU range.
 KERNEL_TIMED = frozenset({"forward", "backward"})
-#: sections whose kernels may be launched from other threads of the process (autograd's device threads)
+#: Sections whose kernels may be launched from other threads of the process (autograd's device threads).
 PROCESS_WIDE = frozenset({"backward"})
-CUDA_LAUNCH_NAMES = frozenset(
-    {
-        "cudaLaunchKernel",
-        "cudaLaunchKernelExC",
-        "cudaLaunchCooperativeKernel",
-        "cudaLaunchCooperativeKernelMultiDevice",
-        "cudaGraphLaunch",
-        "cuLaunchKernel",
-        "cuLaunchKernelEx",
-        "cuLaunchCooperativeKernel",
-        "cuGraphLaunch",
-    }
-)
-HIP_LAUNCH_NAMES = frozenset(
-    {
-        "hipLaunchKernel",
-        "hipExtLaunchKernel",
-        "hipModuleLaunchKernel",
-        "hipExtModuleLaunchKernel",
-        "hipHccModuleLaunchKernel",
-        "hipLaunchCooperativeKernel",
-        "hipLaunchCooperativeKernelMultiDevice",
-        "hipExtLaunchMultiKernelMultiDevice",
-        "hipModuleLaunchCooperativeKernel",
-        "hipGraphLaunch",
-    }
-)
-LAUNCH_NAMES = CUDA_LAUNCH_NAMES | HIP_LAUNCH_NAMES
+#: The runtime and driver calls that launch kernels, CUDA's and HIP's.
+LAUNCH_NAMES = frozenset({
+    "cudaLaunchKernel", "cudaLaunchKernelExC", "cudaLaunchCooperativeKernel", "cudaLaunchCooperativeKernelMultiDevice",
+    "cudaGraphLaunch", "cuLaunchKernel", "cuLaunchKernelEx", "cuLaunchCooperativeKernel", "cuGraphLaunch",
+    "hipLaunchKernel", "hipExtLaunchKernel", "hipModuleLaunchKernel", "hipExtModuleLaunchKernel",
+    "hipHccModuleLaunchKernel", "hipLaunchCooperativeKernel", "hipLaunchCooperativeKernelMultiDevice",
+    "hipExtLaunchMultiKernelMultiDevice", "hipModuleLaunchCooperativeKernel", "hipGraphLaunch",
+})  # fmt: skip
 PARSERS = ("auto", "orjson", "json")
 #: What ``summarize(..., work=dict)`` counts, in bytes of (uncompressed) trace: ``read`` from the file, ``indexed``
 #: (searched for boundaries, taints and markers), ``decoded`` (handed to a decoder); and ``fills`` (buffer refills).
 WORK_KEYS = ("read", "indexed", "decoded", "fills")
 
-#: The classes of device time, as the tables show them; ``other`` holds what no pattern of :data:`KERNEL_CLASSES`
-#: finds.
-CLASS_ORDER = (
-    "convolution",
-    "matrix product / attention",
-    "normalisation",
-    "layout conversion and copies",
-    "element-wise",
-    "reductions",
-    "softmax",
-    "memcpy/memset",
-    "other",
-)
-#: The rules: (class, pattern), tried in this order on a kernel's name; the first pattern ``re.search`` finds decides.
-#: Copies and memsets on the device's timeline (``gpu_memcpy``, ``gpu_memset``) are ``memcpy/memset`` whatever their
-#: name. The order resolves names that match two patterns: the runtime's blit kernels before anything; norms, softmax
-#: and layout conversions before element-wise (``batch_norm_calc_invstd``, ``direct_copy_kernel_cuda`` run inside
-#: ``vectorized_elementwise_kernel``); element-wise before convolution and matrix products (torch.compile's pointwise
-#: kernels are named after the ops they fuse: ``triton_poi_fused_convolution_0`` is a bias add); convolution before
-#: matrix products (cuDNN's ``sm90_xmma_fprop_implicit_gemm``, MIOpen's ``igemm_fwd_gtcx``). AMP's casts
-#: (``float16_copy_kernel_cuda``) are element-wise. Every pattern is tested on real CUDA and ROCm names
-#: (tests/data/kernel_names.json says where each came from).
+#: The classes of device time, in the tables' order; ``other`` holds what no pattern of :data:`KERNEL_CLASSES` finds.
+CLASS_ORDER = ("convolution", "matrix product / attention", "normalisation", "layout conversion and copies",
+               "element-wise", "reductions", "softmax", "memcpy/memset", "other")  # fmt: skip
+#: The rules: (class, pattern), tried in this order on a kernel's name; the first pattern ``re.search`` finds decides
+#: (the copies and memsets of the device's timeline are memcpy/memset whatever their name). The order settles names
+#: that two patterns find: the runtime's blit kernels first; norms, softmax and layout conversions before element-wise
+#: (``batch_norm_calc_invstd`` and ``direct_copy_kernel_cuda`` run inside ``vectorized_elementwise_kernel``);
+#: element-wise before convolution and matrix products (torch.compile names a pointwise kernel after the ops it fuses:
+#: ``triton_poi_fused_convolution_0`` is a bias add); convolution before matrix products (cuDNN's
+#: ``sm90_xmma_fprop_implicit_gemm``, MIOpen's ``igemm_fwd_gtcx``). AMP's casts are element-wise. Every pattern is
+#: tested on the real CUDA and ROCm names of tests/data/kernel_names.json.
 KERNEL_CLASSES: tuple[tuple[str, str], ...] = (
     ("memcpy/memset", r"^Mem(?:cpy|set)\b|__amd_rocclr_(?:copy|fill)Buffer"),  # ROCm's hipMemcpy/hipMemset kernels
-    (
-        "normalisation",
-        r"batch_norm|BatchNorm|layer_norm|group_?norm|GroupNorm|rms_norm|RowwiseMoments|GammaBeta"
-        r"|ComputeInternalGradients|Compute(?:Backward)?FusedParams",  # LayerNorm's and GroupNorm's other kernels
-    ),
+    ("normalisation", r"batch_norm|BatchNorm|layer_norm|group_?norm|GroupNorm|rms_norm|RowwiseMoments|GammaBeta"
+                      r"|ComputeInternalGradients|Compute(?:Backward)?FusedParams"),  # LayerNorm's, GroupNorm's others
     ("softmax", r"[Ss]oft[Mm]ax"),
-    (
-        "layout conversion and copies",  # cuDNN's and MIOpen's layout transforms, torch's copies, roll
-        r"nchwToNhwc|nhwcToNchw|batched_transpose_|transpose_(?:NCHW2CNHW|CNHW2NCHW)|direct_copy_kernel"
-        r"|CatArrayBatchedCopy|SubTensorOpWithCastTensor|roll_cuda_kernel|tensorTransform",
-    ),
+    ("layout conversion and copies",  # cuDNN's and MIOpen's layout transforms, torch's copies, roll
+     r"nchwToNhwc|nhwcToNchw|batched_transpose_|transpose_(?:NCHW2CNHW|CNHW2NCHW)|direct_copy_kernel"
+     r"|CatArrayBatchedCopy|SubTensorOpWithCastTensor|roll_cuda_kernel|tensorTransform"),
     ("element-wise", r"elementwise|multi_tensor_apply|triton_poi_|SubTensorOpWithScalar"),
-    (
-        "convolution",  # cuDNN (fprop/dgrad/wgrad, implicit_convolveNd_sgemm), MIOpen (igemm, naive, asm, im2col), CK
-        r"fprop|dgrad|wgrad|[Cc]onv(?:_|Nd_|2d_)|convolve|igemm_(?:fwd|bwd|wrw)_|Im[23]d2Col|bwd_weight",
-    ),
-    (
-        "matrix product / attention",  # cuBLAS(Lt), CUTLASS, hipBLASLt/rocBLAS (Tensile's Cijk_), flash attention
-        r"gemm|nvjet_|cutlass|cublas|Cijk_|attn|fmha|flash_(?:fwd|bwd)",
-    ),
+    ("convolution",  # cuDNN (fprop/dgrad/wgrad, implicit_convolveNd_sgemm), MIOpen (igemm, naive, asm, im2col), CK
+     r"fprop|dgrad|wgrad|[Cc]onv(?:_|Nd_|2d_)|convolve|igemm_(?:fwd|bwd|wrw)_|Im[23]d2Col|bwd_weight"),
+    ("matrix product / attention",  # cuBLAS(Lt), CUTLASS, hipBLASLt/rocBLAS (Tensile's Cijk_), flash attention
+     r"gemm|nvjet_|cutlass|cublas|Cijk_|attn|fmha|flash_(?:fwd|bwd)"),
     ("reductions", r"[Rr]educe|triton_(?:red|per)_"),
-)
-#: ``cat`` of the copies and memsets on the device's timeline (the engines that copy, not kernels)
-TRANSFER_CATEGORIES = frozenset({"gpu_memcpy", "gpu_memset"})
-#: torch.profiler's range around each profiled step (``ProfilerStep#<n>``): the wall time of the idle share
-PROFILER_STEP = "ProfilerStep#"
+)  # fmt: skip
+TRANSFER_CATEGORIES = frozenset({"gpu_memcpy", "gpu_memset"})  # ``cat`` of the device's copies and memsets
+PROFILER_STEP = "ProfilerStep#"  # torch.profiler's range around each profiled step: the idle share's wall time
 _CLASS_CACHE = 4096  # kernel names whose class is remembered (a network has hundreds; the cache bounds a strange one)
 #: Distinct kernel names numbered for the longest-kernel lists (a compiled network has a few thousand at most); the
-#: kernels of any name after these count together, as :data:`OTHER_NAMES`.
+#: kernels of any later name count together, as :data:`OTHER_NAMES`.
 NAMES_KEPT = 4096
 OTHER_NAMES = f"(kernels of names beyond the first {NAMES_KEPT})"
-#: The longest kernels by name listed per class.
-TOP_KERNELS = 3
+TOP_KERNELS = 3  # the longest kernels by name listed per class
 
 # API-version and per-thread-stream suffixes some tracers keep: cudaLaunchKernel_v7000, cudaLaunchKernel_ptsz.
 _NAME_SUFFIX = re.compile(r"(?:_v\d+|_ptsz|_ptds|_spt)+$")
@@ -182,9 +110,8 @@ _NON_WS = re.compile(r"[^ \t\n\r]")
 _SEPARATOR = re.compile(r"[ \t\n\r]*,[ \t\n\r]*")
 # Two consecutive objects of one list: '}', a comma, '{' (group 1) and a key starting with a letter (see _ArrayReader).
 _BOUNDARY = re.compile(r'\}[ \t\n\r]*+,[ \t\n\r]*+(\{)[ \t\n\r]*+"[A-Za-z_]')
-# An object opened as a list element: a '{' after a comma or a '[' (whitespace between); after 9 or more whitespace
-# characters whatever precedes them (over-matching only sends an event to the scanner). The first two lookbehinds
-# only make the common '{' of an object value (': {') fail fast.
+# An object opened as a list element: a '{' after a comma or a '[' (whitespace between), or after 9 or more whitespace
+# characters (over-matching only sends an event to the scanner); the first two lookbehinds make ': {' fail fast.
 _OBJECT_IN_LIST = re.compile(
     r"\{(?<!:\{)(?<!: \{)(?:(?<=[,\[]\{)"
     + "".join(rf"|(?<=[,\[][ \t\n\r]{{{n}}}\{{)" for n in range(1, 9))
@@ -201,8 +128,8 @@ class TraceError(ValueError):
 
 # ------------------------------------------------------------------------------------------------- kinds of event
 class _Numbers(dict):
-    """The numbers that stand for threads (``(pid, tid)``) and section names in the kept rows -- a key is numbered
-    when first seen -- and, apart, for kernel names (:meth:`kernel`)."""
+    """The numbers that stand for threads (``(pid, tid)``) and section names in the kept rows, a key numbered when
+    first seen; kernel names apart (:meth:`kernel`)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -228,42 +155,48 @@ class Kind(NamedTuple):
     row: Callable[[dict, _Numbers], tuple[float, ...] | None]  # them (None: not this kind), from a decoded "X" event
 
 
-# Correlation ids are kept as doubles: exact below 2**53 (CUDA's and HIP's are 32-bit); a kernel or launch whose id is
-# not positive, or not below that, is dropped (ValueError), as is any event without a field its kind needs.
-_MAX_CORRELATION = 1 << 53
+_MAX_CORRELATION = 1 << 53  # correlation ids are kept as doubles: exact below 2**53 (CUDA's and HIP's are 32-bit)
+
+
+def _correlation(ev: dict) -> int:
+    """The event's ``args.correlation``; ValueError (the event is dropped) unless positive and below 2**53."""
+    corr = int(ev["args"]["correlation"])
+    if not 0 < corr < _MAX_CORRELATION:
+        raise ValueError(corr)
+    return corr
+
+
+def _span(ev: dict) -> tuple[float, float]:
+    """(start, end) of a complete event."""
+    ts = float(ev["ts"])
+    return ts, ts + float(ev["dur"])
+
+
+def _on_cpu(ev: dict, name: str, prefix: str) -> bool:
+    """Whether a range named ``name`` starts with ``prefix`` and lies on the CPU timeline (not a ``gpu_`` copy)."""
+    return name.startswith(prefix) and not str(ev.get("cat", "")).startswith("gpu_")
 
 
 def _kernel_row(ev: dict, numbers: _Numbers) -> tuple[float, ...] | None:
-    """(correlation, start, end, class, name) of a kernel (``cat == "kernel"``); class: its index in
-    :data:`CLASS_ORDER`; name: its number (:meth:`_Numbers.kernel`)."""
+    """(correlation, start, end, class index, name number) of a kernel (``cat == "kernel"``)."""
     if ev.get("cat") != "kernel":
         return None
-    corr, ts, name = int(ev["args"]["correlation"]), float(ev["ts"]), str(ev.get("name", ""))
-    if not 0 < corr < _MAX_CORRELATION:
-        raise ValueError(corr)
-    return corr, ts, ts + float(ev["dur"]), _class_index(name), numbers.kernel(name)
+    corr, (start, end), name = _correlation(ev), _span(ev), str(ev.get("name", ""))
+    return corr, start, end, _class_index(name), numbers.kernel(name)
 
 
 def _transfer_row(ev: dict, numbers: _Numbers) -> tuple[float, ...] | None:
     """(start, end) of a copy or memset on the device's timeline (:data:`TRANSFER_CATEGORIES`)."""
-    if ev.get("cat") not in TRANSFER_CATEGORIES:
-        return None
-    ts = float(ev["ts"])
-    return ts, ts + float(ev["dur"])
+    return _span(ev) if ev.get("cat") in TRANSFER_CATEGORIES else None
 
 
 def _step_row(ev: dict, numbers: _Numbers) -> tuple[float, ...] | None:
-    """(start, end) of a ``ProfilerStep#<n>`` range on the CPU timeline (its GPU-timeline copy is not one)."""
-    name = ev.get("name")
-    if not name.startswith(PROFILER_STEP) or str(ev.get("cat", "")).startswith("gpu_"):
-        return None
-    ts = float(ev["ts"])
-    return ts, ts + float(ev["dur"])
+    """(start, end) of a ``ProfilerStep#<n>`` range on the CPU timeline."""
+    return _span(ev) if _on_cpu(ev, ev.get("name"), PROFILER_STEP) else None
 
 
 def kernel_class(name: str) -> str:
-    """The class of :data:`CLASS_ORDER` a kernel named ``name`` counts in: the first rule of :data:`KERNEL_CLASSES`
-    whose pattern occurs in the name, else ``other``."""
+    """The class a kernel named ``name`` counts in: the first of :data:`KERNEL_CLASSES` that finds it, else other."""
     return CLASS_ORDER[_class_index(name)]
 
 
@@ -291,69 +224,52 @@ def _launch_row(ev: dict, numbers: _Numbers) -> tuple[float, ...] | None:
     name = ev.get("name")
     if name not in LAUNCH_NAMES and not (name.startswith(("cu", "hip")) and _is_suffixed_launch(name)):
         return None
-    corr, ts, thread = int(ev["args"]["correlation"]), float(ev["ts"]), (ev.get("pid"), ev.get("tid"))
-    if not 0 < corr < _MAX_CORRELATION:
-        raise ValueError(corr)
-    return numbers.setdefault(thread, len(numbers)), ts, corr
+    corr, ts = _correlation(ev), float(ev["ts"])
+    return numbers.setdefault((ev.get("pid"), ev.get("tid")), len(numbers)), ts, corr
 
 
 def _section_row(ev: dict, numbers: _Numbers) -> tuple[float, ...] | None:
-    """(section-name number, thread number, ts, dur) of a ``__sec:`` range on the CPU timeline (a thread and a
-    name are numbered in ``numbers`` when first seen)."""
+    """(section-name number, thread number, ts, dur) of a ``__sec:`` range on the CPU timeline."""
     name = ev.get("name")
-    if not name.startswith(SECTION_PREFIX) or str(ev.get("cat", "")).startswith("gpu_"):
+    if not _on_cpu(ev, name, SECTION_PREFIX):
         return None
     ts, dur, thread = float(ev["ts"]), float(ev["dur"]), (ev.get("pid"), ev.get("tid"))
     section = numbers.setdefault(name[len(SECTION_PREFIX) :], len(numbers))
     return section, numbers.setdefault(thread, len(numbers)), ts, dur
 
 
-#: Every kind of event the summary is made of. Each decoded ``"ph": "X"`` event goes to the first kind whose ``row``
-#: takes it (an event without a field its kind needs is dropped). The skimmer decodes only the events whose text
-#: holds a kind's ``marker`` (or a backslash escape): :func:`_markers` derives them from this table, so a new kind is
-#: one entry here, and its use in :func:`_resolve`.
+#: Every kind of event the summary is made of: what it is kept for, a literal the text of every such event holds (its
+#: marker), the numbers kept of each (doubles, one flat array a kind) and the function that makes them from a decoded
+#: ``"ph": "X"`` event (None: not this kind; an event without a field its kind needs is dropped). An event goes to the
+#: first kind that takes it. The skimmer decodes only the events whose text holds a marker (:func:`_markers`), so a
+#: new kind is one entry here, and its use in :func:`_resolve`.
 KINDS = {
-    "kernel": Kind(
-        "forward/backward's accelerator time (first start to last end of the kernels their launches started); the "
-        "device time per class and the idle share",
-        '"correlation"',  # a kernel is kept only with its args' correlation id
-        ("correlation", "start", "end", "class", "name"),
-        _kernel_row,
-    ),
-    "transfer": Kind(
-        "the device time of copies and memsets (memcpy/memset) and the idle share; never a section's",
-        '"gpu_mem',  # the start of their cat, gpu_memcpy or gpu_memset
-        ("start", "end"),
-        _transfer_row,
-    ),
-    "launch": Kind(
-        "ties each kernel (by correlation id) to the range instance whose thread launched it within its time",
-        '"correlation"',  # so is a launch: one search finds both (copies carry one too: decoded, then dropped)
-        ("thread", "ts", "correlation"),
-        _launch_row,
-    ),
-    "section": Kind(
-        "the ranges timed: every instance's CPU duration, or the span of its kernels",
-        '"__sec:',
-        ("section", "thread", "ts", "dur"),
-        _section_row,
-    ),
-    "step": Kind(
-        "the wall time of the idle share: the profiled steps", '"' + PROFILER_STEP, ("start", "end"), _step_row
-    ),
-}
+    "kernel": Kind("forward/backward's accelerator time (the span of the kernels their launches started); the device "
+                   "time per class and the idle share",
+                   '"correlation"',  # a kernel is kept only with its args' correlation id
+                   ("correlation", "start", "end", "class", "name"), _kernel_row),
+    "transfer": Kind("the device time of copies and memsets (memcpy/memset) and the idle share; never a section's",
+                     '"gpu_mem',  # the start of their cat, gpu_memcpy or gpu_memset
+                     ("start", "end"), _transfer_row),
+    "launch": Kind("ties each kernel (by correlation id) to the range instance whose thread launched it in its time",
+                   '"correlation"',  # one search finds kernels and launches (copies too: decoded, then dropped)
+                   ("thread", "ts", "correlation"), _launch_row),
+    "section": Kind("the ranges timed: every instance's CPU duration, or the span of its kernels", '"__sec:',
+                    ("section", "thread", "ts", "dur"), _section_row),
+    "step": Kind("the wall time of the idle share: the profiled steps", '"' + PROFILER_STEP, ("start", "end"),
+                 _step_row),
+}  # fmt: skip
 
 
 def _markers() -> tuple[str, ...]:
     """The literals the skimmer searches for: each kind's marker, and a backslash, so that an event whose strings
-    hold escapes (a key or a name could be written with \\u escapes) is decoded too. Over-matching is harmless: every
-    decoded event goes through the kinds' rows."""
+    hold escapes (a key or a name could be written with \\u escapes) is decoded too. Over-matching is harmless."""
     return (*dict.fromkeys(kind.marker for kind in KINDS.values()), "\\")
 
 
 class _Collected:
-    """What one pass keeps: per kind, the rows of its events in one flat array; the numbers that stand for threads
-    and section names in them; the top-level keys other than ``traceEvents``; events decoded and skipped."""
+    """What one pass keeps: per kind of :data:`KINDS`, the rows of its events in one flat array; the numbers that
+    stand for threads and section names in them; the top-level keys other than ``traceEvents``; events counted."""
 
     def __init__(self) -> None:
         self.rows = {name: array("d") for name in KINDS}
@@ -361,28 +277,11 @@ class _Collected:
         self.meta: dict[str, Any] = {}
         self.decoded = self.skipped = 0
         self.skimmed = False  # some events were counted without being decoded
-        self.add = self._adder()
-
-    def columns(self, kind: str) -> list[array]:
-        """The kept numbers of every event of ``kind``, one array per field of :data:`KINDS`."""
-        width = len(KINDS[kind].fields)
-        return [self.rows[kind][i::width] for i in range(width)]
-
-    def column(self, kind: str, field: str) -> array:
-        """The kept values of one field of :data:`KINDS` of every event of ``kind``."""
-        fields = KINDS[kind].fields
-        return self.rows[kind][fields.index(field) :: len(fields)]
-
-    def count(self, kind: str) -> int:
-        """How many events of ``kind`` were kept."""
-        return len(self.rows[kind]) // len(KINDS[kind].fields)
-
-    def _adder(self) -> Callable[[Any], None]:
-        """A function that keeps the row of one decoded event, from the first kind that takes it."""
         kinds, numbers = [(kind.row, self.rows[name].extend) for name, kind in KINDS.items()], self.numbers
 
         def add(ev: Any) -> None:
-            """Keep the event's row (ignoring events of no kind, and those without the fields their kind needs)."""
+            """Keep the row of a decoded event from the first kind that takes it (none for events of no kind, or
+            without the fields their kind needs)."""
             try:
                 if ev.get("ph") != "X":
                     return
@@ -394,7 +293,21 @@ class _Collected:
             except (AttributeError, KeyError, TypeError, ValueError, OverflowError):
                 return
 
-        return add
+        self.add = add
+
+    def columns(self, kind: str) -> list[array]:
+        """The kept numbers of every event of ``kind``, one array per field."""
+        width = len(KINDS[kind].fields)
+        return [self.rows[kind][i::width] for i in range(width)]
+
+    def column(self, kind: str, field: str) -> array:
+        """The kept values of one field of every event of ``kind``."""
+        fields = KINDS[kind].fields
+        return self.rows[kind][fields.index(field) :: len(fields)]
+
+    def count(self, kind: str) -> int:
+        """How many events of ``kind`` were kept."""
+        return len(self.rows[kind]) // len(KINDS[kind].fields)
 
 
 # ------------------------------------------------------------------------------------------------------ interface
@@ -404,12 +317,11 @@ def summarize(path: str | Path, parser: str = "auto", work: dict[str, int] | Non
     Returns ``{"sections": {name: {"count", "min_s", "mean_s", "median_s", "max_s"}}, "sources": {name:
     "kernels" | "cpu" | "mixed"}, "trace": str, "events": int, "launches": int, "kernels": int, "parser": str,
     "device": {"events", "ms", "classes": {class: {"count", "ms", "share"}}, "top": {class: [{"name", "count", "ms",
-    "share"}]}}, "idle": {"window", "ranges", "wall_ms",
-    "busy_ms", "idle_ms", "share"} | None}`` plus ``"devices"`` (GPU names) when the trace records them.
-    ``sections`` is ordered as :data:`SECTION_ORDER`, ``classes`` as :data:`CLASS_ORDER` (shares of ``device.ms``,
-    0 to 1); ``idle`` is None without device activity (a CPU run). ``work``, a dict, receives what reading cost
-    (:data:`WORK_KEYS`): linear in the file's size whatever its layout. Raises :class:`TraceError` for a missing,
-    empty, truncated or non-trace file, or one with neither sections nor device activity.
+    "share"}]}}, "idle": {"window", "ranges", "wall_ms", "busy_ms", "idle_ms", "share"} | None}`` plus ``"devices"``
+    (GPU names) when the trace records them. ``sections`` is ordered as :data:`SECTION_ORDER`, ``classes`` as
+    :data:`CLASS_ORDER` (shares of ``device.ms``, 0 to 1); ``idle`` is None without device activity. ``work``, a
+    dict, receives what reading cost (:data:`WORK_KEYS`). Raises :class:`TraceError` for a missing, empty, truncated
+    or non-trace file, or one with neither sections nor device activity.
     """
     path = Path(path)
     if parser not in PARSERS:
@@ -478,17 +390,12 @@ def format_device_table(device: dict[str, Any], idle: dict[str, Any] | None) -> 
     for name, row in device["classes"].items():
         lines.append(f"{name:<30}{row['count']:>8}{row['ms']:>12.3f}{100 * row['share']:>9.1f}")
     if idle:
-        where = (
-            f"of the profiled steps ({idle['ranges']} ProfilerStep range{'s' * (idle['ranges'] != 1)}, "
-            f"{idle['wall_ms']:.3f} ms)"
-            if idle["window"] == "profiler steps"
-            else f"from the first device start to the last device end ({idle['wall_ms']:.3f} ms; the trace has no "
-            "ProfilerStep ranges)"
-        )
-        lines.append(
-            f"device idle {100 * idle['share']:.1f} % {where}: {idle['idle_ms']:.3f} ms without a kernel, copy or "
-            "memset running"
-        )
+        wall = f"{idle['wall_ms']:.3f} ms"
+        where = f"of the profiled steps ({idle['ranges']} ProfilerStep range{'s' * (idle['ranges'] != 1)}, {wall})"
+        if idle["window"] != "profiler steps":
+            where = f"from the first device start to the last device end ({wall}; the trace has no ProfilerStep ranges)"
+        lines.append(f"device idle {100 * idle['share']:.1f} % {where}: {idle['idle_ms']:.3f} ms without a kernel, "
+                     "copy or memset running")  # fmt: skip
     if device.get("top"):
         lines += [
             "",
@@ -540,9 +447,8 @@ def _open_binary(path: Path) -> Iterator[BinaryIO]:
                 names = [n for n in archive.namelist() if not n.endswith("/")]
                 members = [n for n in names if n.lower().endswith(".json")]
                 if len(members) != 1:
-                    raise TraceError(
-                        f"{path}: a zip trace must hold exactly one .json member; it holds {names or 'nothing'}"
-                    )
+                    holds = names or "nothing"
+                    raise TraceError(f"{path}: a zip trace must hold exactly one .json member; it holds {holds}")
                 with archive.open(members[0], "r") as stream:
                     yield stream
         else:
@@ -552,9 +458,9 @@ def _open_binary(path: Path) -> Iterator[BinaryIO]:
 class _Scanner:
     """Walks a JSON text one value at a time with the C scanner of :mod:`json`, refilling a bounded buffer.
 
-    The text is the file's bytes read as Latin-1 (one character a byte, so every string operation runs on one-byte
-    characters however much non-ASCII text the trace holds; :func:`_utf8` decodes what is kept), read and inflated
-    in the caller's thread (a read-ahead thread was slower at the interpreter's GIL switch interval)."""
+    The text is the file's bytes read as Latin-1 (one character a byte, so string operations stay on one-byte
+    characters whatever the trace holds; :func:`_utf8` decodes what is kept), read and inflated in the caller's thread
+    (a read-ahead thread would only contend for the GIL)."""
 
     def __init__(self, stream: BinaryIO, path: Path, work: dict[str, int]) -> None:
         self.stream, self.path, self.work = stream, path, work
@@ -563,10 +469,8 @@ class _Scanner:
         self.scan = json.JSONDecoder().scan_once
 
     def fill(self) -> bool:
-        """Append the next chunk to the buffer (dropping the text before ``pos``); False at the end of the file.
-
-        A chunk is at least as long as the text kept, so a value that spans many chunks is scanned again only
-        as often as the buffer doubles: its cost stays linear in its length."""
+        """Append the next chunk to the buffer (dropping the text before ``pos``); False at the end of the file. A
+        chunk is at least as long as the text kept, so the work on a value of many chunks stays linear in it."""
         if self.eof:
             return False
         data = self.stream.read(max(_CHUNK_CHARS, len(self.buf) - self.pos)).decode("latin-1")
@@ -650,24 +554,22 @@ def _read_events_json(sc: _Scanner, out: _Collected, fast: Any, skim: bool) -> N
         _ArrayReader(sc, out, fast, skim).read()
     elif first == "{":
         sc.pos += 1
-        found = False
-        if sc.peek() == "}":
+        found, more = False, sc.peek() != "}"
+        if not more:
             sc.pos += 1
-        else:
-            while True:
-                key = sc.value()
-                if not isinstance(key, str):
-                    raise sc.error("malformed", f"an object key must be a string, found {key!r}")
-                sc.expect(":", f"after the key {key!r}")
-                if key == "traceEvents":
-                    if sc.peek() != "[":
-                        raise TraceError(f"{path}: not a chrome trace: 'traceEvents' is not a list")
-                    found = True
-                    _ArrayReader(sc, out, fast, skim).read()
-                else:
-                    out.meta[key] = sc.value()
-                if sc.expect(",}", "in the top-level object") == "}":
-                    break
+        while more:
+            key = sc.value()
+            if not isinstance(key, str):
+                raise sc.error("malformed", f"an object key must be a string, found {key!r}")
+            sc.expect(":", f"after the key {key!r}")
+            if key == "traceEvents":
+                if sc.peek() != "[":
+                    raise TraceError(f"{path}: not a chrome trace: 'traceEvents' is not a list")
+                found = True
+                _ArrayReader(sc, out, fast, skim).read()
+            else:
+                out.meta[key] = sc.value()
+            more = sc.expect(",}", "in the top-level object") == ","
         if not found:
             raise TraceError(f"{path}: not a chrome trace: the top-level object has no 'traceEvents' list")
     else:
@@ -679,24 +581,21 @@ def _read_events_json(sc: _Scanner, out: _Collected, fast: Any, skim: bool) -> N
 class _ArrayReader:
     """Reads the event list: every element decoded (``skim`` off), or only the events that can matter.
 
-    Skimming rests on one pattern, :data:`_BOUNDARY`: ``}``, a comma, ``{`` and a key that starts with a letter,
-    whitespace anywhere between. A raw ``"`` never occurs inside a JSON string and a string that closes cannot be
-    followed by a letter, so that quote opens a key: no part of a match lies inside a string, and the two objects are
-    consecutive elements of one list, whatever the layout of either (kineto's templates of any year, one line, keys
-    sharing lines, indented, CRLF). That list may still be nested in an event (a list of objects in its args), or
-    follow the event list; but the first object of any such list is opened right after a ``[``, or after a comma that
-    follows no object, and :data:`_OBJECT_IN_LIST` finds every ``{`` opened after a ``[`` or a comma. So from a known
-    element start, the text up to the next boundary is exactly one event when it holds no ``{`` of that kind other
-    than the boundaries' own (a *taint*; one inside a string only costs a decode).
+    Skimming rests on :data:`_BOUNDARY`: ``}``, a comma, ``{`` and a key starting with a letter, whitespace anywhere
+    between. A raw ``"`` never occurs inside a JSON string and a closing one cannot be followed by a letter, so that
+    quote opens a key: no part of a match lies inside a string, and the two objects are consecutive elements of one
+    list, whatever their layout. That list could be nested in an event (objects in its args) or follow the event
+    list, but its first object opens right after a ``[``, or after a comma that follows no object, and
+    :data:`_OBJECT_IN_LIST` finds every such ``{``. So from a known element start, the text up to the next boundary
+    is exactly one event when it holds no such ``{`` but the boundaries' own (a *taint*; one in a string costs only
+    a decode).
 
-    Each buffer is indexed once, in C (:meth:`_index`): boundaries, taints, and the events holding a marker
-    (:func:`_markers`). Clean events are counted without being decoded; events with a marker are decoded from their
-    exact text (:meth:`_decode_picked`); an element with a taint, or without a boundary after it in the buffer, is
-    decoded by the json scanner on its own, and counting resumes at the next element. Only the unfinished event
-    carried into the next buffer is indexed again, and a buffer grows by at least what it carries, so the work is
-    linear in the text whatever the mix of layouts (``work`` counts it); the degraded path costs one decode per
-    element it takes. The last events and the closing bracket always go through the scanner, so truncation and
-    malformed endings are reported as without skimming.
+    Each buffer is indexed once, in C (:meth:`_index`): boundaries, taints, and the events holding a marker. Clean
+    events are counted without being decoded, events with a marker are decoded from their exact text, and an element
+    with a taint, or with no boundary after it in the buffer, is decoded alone by the json scanner before counting
+    resumes. Only the event carried into the next buffer is indexed again, and a buffer grows by at least what it
+    carries, so the work is linear in the text whatever the layouts (``work`` counts it). The last events and the
+    closing bracket always go through the scanner: truncation and bad endings are reported as without skimming.
     """
 
     def __init__(self, sc: _Scanner, out: _Collected, fast: Any, skim: bool) -> None:
@@ -808,9 +707,8 @@ class _ArrayReader:
         self.marked = sorted(marked)
 
     def _decode_picked(self, buf: str, starts: list[int], ends: list[int]) -> None:
-        """Decode the event at each ``start`` of ``buf``, which ends at the last ``}`` before its ``end`` (the next
-        boundary), exactly one event each, and keep it: orjson when given, else the json scanner in place; a text
-        either refuses goes to :func:`_decode_exact`, which decodes it as UTF-8 or names the error and its byte."""
+        """Decode and keep the one event from each ``start`` to the last ``}`` before its ``end`` (the next boundary):
+        orjson when given, else the json scanner in place; a text either refuses goes to :func:`_decode_exact`."""
         fast, sc, add, rfind = self.fast, self.sc, self.out.add, buf.rfind
         scan, ascii_text = sc.scan, buf.isascii()  # O(1): a str knows
         for start, end in zip(starts, ends):
@@ -853,9 +751,8 @@ def _utf8(text: str) -> str:
 
 
 def _accelerator(path: Path) -> Any:
-    """``orjson.loads``, the optional accelerator: it decodes the events that skimming picks about 3x faster than
-    the :mod:`json` scanner, to the same values (a text it refuses, e.g. an integer beyond 64 bits or ``NaN``, goes
-    to the :mod:`json` scanner instead)."""
+    """``orjson.loads``, the optional decoder of the events skimming picks (a text it refuses, e.g. an integer beyond
+    64 bits or ``NaN``, goes to the :mod:`json` scanner)."""
     try:
         import orjson
     except ImportError as exc:
@@ -874,7 +771,7 @@ def _resolve(c: _Collected) -> tuple[dict[str, list[float]], dict[str, str]]:
     }
     ranges = [(names[int(s)], int(t), ts, dur) for s, t, ts, dur in zip(*c.columns("section"))]
     owners_of = _launch_owners(ranges, process_of, *c.columns("launch"))
-    first: dict[int, float] = {}
+    first: dict[int, float] = {}  # per range id: its kernels' first start and last end
     last: dict[int, float] = {}
     corrs, starts, ends, _, _ = c.columns("kernel")
     for corr, start, end in zip(corrs, starts, ends):
@@ -899,10 +796,9 @@ def _resolve(c: _Collected) -> tuple[dict[str, list[float]], dict[str, str]]:
 
 
 def device_time(c: _Collected) -> dict[str, Any]:
-    """Device time per class of :data:`CLASS_ORDER`: every kernel in its class, copies and memsets in memcpy/memset;
-    per class the count, the milliseconds and the share of all device time (0 when there is none). ``top``: per class
-    that has kernels, its :data:`TOP_KERNELS` longest kernels by name (name, count, ms, share of all device time),
-    longest first; the copies and memsets of the device's timeline are not named there (they are not kernels)."""
+    """Device time per class of :data:`CLASS_ORDER` (copies and memsets in memcpy/memset): the count, the ms and the
+    share of all device time (0 when there is none); ``top``: per class that has kernels, its :data:`TOP_KERNELS`
+    longest kernels by name (name, count, ms, share), longest first (copies and memsets are not kernels: not there)."""
     counts, us = [0] * len(CLASS_ORDER), [0.0] * len(CLASS_ORDER)
     # (name number, class index) -> [count, µs]: one entry a name (the kernels of OTHER_NAMES: one entry a class)
     by_name: dict[tuple[int, int], list[float]] = {}
@@ -933,10 +829,9 @@ def device_time(c: _Collected) -> dict[str, Any]:
 
 
 def idle_share(c: _Collected) -> dict[str, Any] | None:
-    """The device's idle time in the profiled steps: the union of the ``ProfilerStep#`` ranges (``window``: "profiler
-    steps", ``ranges`` of them; without any, "device span": from the first device start to the last device end) less
-    the union of the device intervals (kernels, copies, memsets) inside it, in ms and as a share of the window; None
-    without device activity."""
+    """The device's idle time: the union of the ``ProfilerStep#`` ranges (``window`` "profiler steps", ``ranges`` of
+    them; without any, "device span": the first device start to the last device end) less the union of the device
+    intervals inside it, in ms and as a share of the window; None without device activity."""
     starts, ends = c.column("transfer", "start"), c.column("transfer", "end")
     starts.extend(c.column("kernel", "start"))
     ends.extend(c.column("kernel", "end"))
@@ -967,8 +862,7 @@ def _merged(ranges: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
 
 
 def _covered(starts: array, ends: array, windows: list[tuple[float, float]]) -> float:
-    """The length of the union of intervals inside ``windows`` (sorted, disjoint), from the intervals' starts and
-    ends, each sorted on its own (:func:`_pieces`)."""
+    """The length of the union of intervals inside ``windows`` (sorted, disjoint), from their sorted starts and ends."""
     covered, w = 0.0, 0
     for lo, hi in _pieces(starts, ends):
         while w < len(windows) and windows[w][1] <= lo:
@@ -1001,11 +895,9 @@ def _pieces(starts: array, ends: array) -> Iterator[tuple[float, float]]:
 def _launch_owners(
     ranges: list[tuple[str, int, float, float]], process_of: dict[int, int], threads: array, ts: array, corrs: array
 ) -> Callable[[int], tuple[int, ...]]:
-    """A function correlation -> ids (indices into ``ranges``) of the kernel-timed ranges whose launches carry it:
-    a launch on the range's thread (its process's, for :data:`PROCESS_WIDE`) within its time, a launch inside
-    nested ranges once per range."""
-    # Kernel-timed ranges per thread, sorted by start, with the running maximum of their ends so that the backward
-    # scan from a launch stops as soon as no earlier range can still contain it.
+    """A function correlation -> ids (indices into ``ranges``) of the kernel-timed ranges whose launches carry it: a
+    launch on the range's thread (its process's, for :data:`PROCESS_WIDE`) in its time, once per nesting range."""
+    # per thread, sorted by start, with the running maximum of their ends: a scan back from a launch stops early
     per_thread: dict[int, tuple[list[float], list[float], list[float], list[int]]] = {}
     for rid in sorted((i for i, r in enumerate(ranges) if r[0] in KERNEL_TIMED), key=lambda i: ranges[i][1:3]):
         section, thread, start, dur = ranges[rid]
@@ -1033,52 +925,33 @@ def _launch_owners(
 
 
 def _owner_lookup(launched: array, owner: array) -> Callable[[int], tuple[int, ...]]:
-    """A function correlation -> range ids, for the kernels' side of the join.
-
-    CUDA/HIP correlation ids count up from 1 per process, so a table indexed by ``id - min`` (4 bytes an entry) is
-    far smaller than a dict (about 100 bytes an entry) whenever the ids are dense; sparse ids get the dict.
-    """
-    none: tuple[int, ...] = ()
-    if not launched:
-        return lambda corr: none
-    low, high = min(launched), max(launched)
-    extra: dict[int, list[int]] = {}  # ids launched from nested ranges: all but the first range
-    if high - low < 4 * len(launched) + 1024:
-        table = array("i", [-1]) * (high - low + 1)
-        for corr, rid in zip(launched, owner):
-            if table[corr - low] < 0:
-                table[corr - low] = rid
-            else:
-                extra.setdefault(corr, []).append(rid)
-
-        def lookup(corr: int) -> tuple[int, ...]:
-            """Range ids whose launches carry ``corr`` (table-indexed)."""
-            index = corr - low
-            if index < 0 or index > high - low or table[index] < 0:
-                return none
-            return (table[index], *extra[corr]) if extra and corr in extra else (table[index],)
-
-        return lookup
-    first: dict[int, int] = {}
+    """A function correlation -> range ids, for the kernels' side of the join. CUDA/HIP correlation ids count up from
+    1 per process, so where they are dense the first range of each id goes in a table indexed by ``id - min`` (4 bytes
+    an entry), else in a dict (about 100 bytes an entry); the other ranges of launches in nested ranges in ``extra``."""
+    low = min(launched, default=0)
+    span = max(launched, default=-1) - low + 1
+    dense = span < 4 * len(launched) + 1024
+    first: Any = array("i", [-1]) * span if dense else {}
+    extra: dict[int, list[int]] = {}
     for corr, rid in zip(launched, owner):
-        if corr in first:
-            extra.setdefault(corr, []).append(rid)
+        key = corr - low if dense else corr
+        if (first[key] if dense else first.get(key, -1)) < 0:
+            first[key] = rid
         else:
-            first[corr] = rid
+            extra.setdefault(corr, []).append(rid)
 
-    def lookup_sparse(corr: int) -> tuple[int, ...]:
-        """Range ids whose launches carry ``corr`` (dict-indexed)."""
-        rid = first.get(corr)
-        if rid is None:
-            return none
-        return (rid, *extra[corr]) if corr in extra else (rid,)
+    def lookup(corr: int) -> tuple[int, ...]:
+        """Range ids whose launches carry ``corr``."""
+        rid = (first[corr - low] if 0 <= corr - low < span else -1) if dense else first.get(corr, -1)
+        if rid < 0:
+            return ()
+        return (rid, *extra[corr]) if extra and corr in extra else (rid,)
 
-    return lookup_sparse
+    return lookup
 
 
 def _stats(values_us: list[float]) -> dict[str, Any]:
-    """count, min, mean, median, max of durations in µs, as seconds rounded to the nanosecond (the trace's
-    resolution)."""
+    """count, min, mean, median, max of durations in µs, as seconds rounded to the trace's resolution (1 ns)."""
     return {
         "count": len(values_us),
         "min_s": round(min(values_us) / 1e6, 9),
@@ -1102,8 +975,7 @@ def _device_names(properties: Any) -> list[str]:
 
 
 def cli() -> None:
-    """``python -m scripts.summarize_trace``, or this file run alone: fire where installed, else the same options
-    through argparse."""
+    """``python -m scripts.summarize_trace``, or this file run alone: fire where installed, else argparse."""
     try:
         import fire
     except ImportError:  # a laptop without fire: the same interface through argparse
@@ -1113,8 +985,7 @@ def cli() -> None:
         cli.add_argument("trace")
         cli.add_argument("--format", default="text", choices=("text", "json"))
         cli.add_argument("--parser", default="auto", choices=PARSERS)
-        args = cli.parse_args()
-        main(args.trace, format=args.format, parser=args.parser)
+        main(**vars(cli.parse_args()))
     else:
         fire.Fire(main)
 
