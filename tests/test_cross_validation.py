@@ -10,7 +10,7 @@ import pytest
 import torch
 import yaml
 from conftest import ROOT, configs
-from scripts.evaluation.case_metrics import cross_validation as cv
+from scripts.evaluation import cross_validation as cv
 
 
 def rows(dice: list[float], name: str = "GTV-1") -> list[dict]:

@@ -459,7 +459,8 @@ def token_file(folder: Path, token: str = TOKEN) -> Path:
 @pytest.fixture(scope="module")
 def our_seg(studies, tmp_path_factory) -> Path:
     """A DICOM SEG written by the bundle's writer on study F's CT (a block of tumour), as inference writes one."""
-    from scripts.inference.writers.seg import algorithm_identification, write_dicom_seg
+    from scripts.data.dicom.identity import algorithm_identification
+    from scripts.inference.writers.seg import write_dicom_seg
 
     labels = np.zeros(SHAPE, np.uint8)
     labels[20:30, 20:30, 8:14] = 1
@@ -475,7 +476,7 @@ def test_results_are_stored_once_found_again_and_stored_twice_only_when_forced(
     server, study = server_of(gateway, certificate), studies["F"]["study"]
     ct_series = studies["F"]["ct"][0].SeriesInstanceUID
     case = {"case_id": "F", "study_uid": study, "series_uid": ct_series, "pred_files": {"dicom_seg": str(our_seg)}}
-    store = StoreResultsd(server, VERSION, tmp_path)
+    store = StoreResultsd(server, tmp_path)
     store(case)
     assert store.outcomes["F"]["status"] == "stored"
     store(case)
@@ -487,7 +488,7 @@ def test_results_are_stored_once_found_again_and_stored_twice_only_when_forced(
     seg.SOPInstanceUID = seg.file_meta.MediaStorageSOPInstanceUID = generate_uid()
     seg.SeriesInstanceUID = generate_uid()
     seg.save_as(tmp_path / "second.dcm")
-    forced = StoreResultsd(server, VERSION, tmp_path, force=True)
+    forced = StoreResultsd(server, tmp_path, force=True)
     forced({**case, "pred_files": {"dicom_seg": str(tmp_path / "second.dcm")}})
     assert forced.outcomes["F"]["status"] == "stored" and len(server.find_results(study, ct_series, VERSION)) == 2
 

@@ -13,8 +13,9 @@ from monai.handlers import MeanDice, from_engine
 from monai.inferers import SimpleInferer
 from monai.transforms import AsDiscreted, Compose
 from scripts.inference.engine import CaseByCaseEvaluator
-from scripts.inference.inputs import CaseDataset, write_report
+from scripts.inference.inputs import CaseDataset
 from scripts.inference.outputs import InferenceSummary, SaveCased, exit_on_failures
+from scripts.inference.records import write_run_report
 
 CASES = ["good-1", "unreadable", "bad-shape", "unwritable", "good-2"]
 
@@ -53,7 +54,7 @@ def evaluated(names: list[str], out, after_writing, **kwargs) -> CaseByCaseEvalu
     """The cases ``names`` (pending in ``out``'s inference_report.json) run case by case, ``after_writing`` being
     the post-processing after the class decision; ``kwargs`` go to the evaluator."""
     data = [{"case_id": c, "image": f"/data/{c}", "source": "nifti", "source_path": f"/data/{c}"} for c in names]
-    write_report(out, {"cases": [{**d, "status": "pending"} for d in data], "skipped": []})
+    write_run_report(out, {"cases": [{**d, "status": "pending"} for d in data], "skipped": []})
     evaluator = CaseByCaseEvaluator(
         device=torch.device("cpu"),
         val_data_loader=DataLoader(CaseDataset(data, load=load), batch_size=1, num_workers=0),

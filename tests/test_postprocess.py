@@ -242,7 +242,7 @@ DEVICES = [
 @pytest.mark.parametrize("device", DEVICES)
 def test_preprocessed_on_the_device_the_image_and_both_label_maps_are_the_hosts(tmp_path, device, handed_over):
     """inference.yaml's preprocessing with the image on ``device`` (preprocessing_device: MONAI's transforms on the
-    device's tensors) against 0.10's chain on the host (channel first, then ct_transforms), on an oblique, flipped,
+    device's tensors) against the host's chain (channel first, then ct_transforms), on an oblique, flipped,
     anisotropic CT; then MONAI's inversion (MONAI Deploy's) and the fast one (the evaluator's) of the same logits,
     on the device, against the host's.
 

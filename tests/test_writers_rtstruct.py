@@ -18,16 +18,17 @@ import pydicom
 import pytest
 from scipy import ndimage
 from scripts.data.dicom import read_ct_series, read_rtstruct_labels, read_seg_labels
+from scripts.data.dicom.identity import algorithm_identification
 from scripts.data.synthetic import write_case
-from scripts.inference.report import outlines
+from scripts.inference.contours import outlines
 from scripts.inference.writers import rtstruct as writer
 from scripts.inference.writers.rtstruct import write_rtstruct
-from scripts.inference.writers.seg import algorithm_identification, write_dicom_seg
+from scripts.inference.writers.seg import write_dicom_seg
 
 rt_utils = pytest.importorskip("rt_utils", reason="rt-utils (requirements-dev.txt) is the independent reader")
 
 NAMES = ["GTV-1", "Lung-Left", "Heart", "Spinal-Cord"]
-VERSION = "0.1.0-test"
+VERSION = "9.8.7-test"
 #: Dice >= 0.95 through rt-utils is checked for the 30 ml GTV: for the small organs of this 90 mm field of view one
 #: boundary ring (rt-utils' own, see test_rt_utils_reads_back_the_mask) is a large part of the volume
 LARGE = ("GTV-1",)

@@ -15,8 +15,9 @@ import highdicom as hd
 import numpy as np
 import pydicom
 import pytest
+from scripts.data.dicom.identity import ALGORITHM_NAME, algorithm_identification
 from scripts.data.synthetic import tumour_contains, write_case
-from scripts.inference.writers.seg import ALGORITHM_NAME, algorithm_identification, write_dicom_seg
+from scripts.inference.writers.seg import write_dicom_seg
 
 SHAPE = (48, 40, 12)  # columns, rows, slices: not square, so a row/column swap cannot go unnoticed
 NAMES = ["GTV-1", "Heart"]

@@ -11,9 +11,10 @@ import pydicom
 import pytest
 from pydicom.sr.codedict import codes
 from scripts.data.dicom import read_ct_series, read_seg_labels
+from scripts.data.dicom.identity import algorithm_identification
 from scripts.data.synthetic import write_case
 from scripts.inference.report import implausible, tumour_report
-from scripts.inference.writers.seg import algorithm_identification, write_dicom_seg
+from scripts.inference.writers.seg import write_dicom_seg
 from scripts.inference.writers.sr import CHECK, FINDINGS, SCHEME, write_sr
 
 NAMES = ["GTV-1", "Heart", "Esophagus-absent"]

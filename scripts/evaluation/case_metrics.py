@@ -19,8 +19,9 @@ from ignite.engine import Engine, Events
 from scripts.common.files import csv_text, write_json, write_text
 from scripts.common.geometry import spacing_of
 from scripts.evaluation.metrics import case_metrics, summarize
-from scripts.inference.batches import case_id_of, label_map, merged_items
 from scripts.inference.figures import png_bytes, render_case
+from scripts.inference.outputs import original_ct
+from scripts.inference.records import case_id_of, label_map, merged_items
 from scripts.inference.report import tumour_report
 from scripts.training.distributed import is_rank0, world_size
 
@@ -83,7 +84,7 @@ class CaseMetrics:
     def _render(self, item: dict, pred: np.ndarray, truth: np.ndarray) -> bytes:
         image = item.get("image")
         source = getattr(image, "meta", {}).get("filename_or_obj") if image is not None else None
-        ct = _load_volume(source, truth.shape)
+        ct = original_ct(source, "nifti", truth.shape)[0] if source else None  # None: the masks on black
         affine = np.asarray(item[self.truth_key].affine, dtype=float)
         return png_bytes(render_case(ct, truth, pred, affine, self.hu_window, title=case_id_of(item)))
 
@@ -137,17 +138,3 @@ def measurement_columns(pred: np.ndarray, truth: np.ndarray, affine: np.ndarray,
         for name, measured in tumour_report(volume, None, affine, labels).items():
             columns.update({f"{name}_{kind}_{m}": float(measured[m]) for m in REPORT_COLUMNS})
     return columns
-
-
-def _load_volume(source, shape: tuple[int, ...]) -> np.ndarray | None:
-    """The original CT (HU) for a picture, or None when it cannot be read (the picture then shows masks only)."""
-    if not source:
-        return None
-    try:
-        import nibabel as nib
-
-        volume = np.asarray(nib.load(str(source)).dataobj)
-        return volume if volume.shape == tuple(shape) else None
-    except Exception as err:  # a picture must never fail an evaluation
-        logger.warning("%s: cannot read the CT for a picture (%s)", source, err)
-        return None

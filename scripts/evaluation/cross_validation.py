@@ -381,8 +381,7 @@ def _read_rows(path: Path) -> list[dict]:
 
 def case_dice(row: dict, labels: Sequence[str]) -> float:
     """A case's Dice averaged over the structures (NaN structures -- nothing to find, nothing found -- left out)."""
-    values = [row[f"{name}_dice"] for name in labels if np.isfinite(row[f"{name}_dice"])]
-    return float(np.mean(values)) if values else float("nan")
+    return _nanmean([row[f"{name}_dice"] for name in labels])
 
 
 def pool_out_of_fold(plan: Plan, datalist: dict, folds: list[int]) -> dict:
@@ -396,8 +395,8 @@ def pool_out_of_fold(plan: Plan, datalist: dict, folds: list[int]) -> dict:
         if sorted(r["case_id"] for r in rows) != expected or sorted(r["case_id"] for r in rows_raw) != expected:
             raise CrossValidationError(f"fold {fold}: {out} does not hold exactly the fold's {len(expected)} cases; "
                                        "delete it and run `evaluate` again.")  # fmt: skip
-        largest += [{"case_id": r["case_id"], "fold": fold, **_numbers(r)} for r in rows]
-        raw += [{"case_id": r["case_id"], "fold": fold, **_numbers(r)} for r in rows_raw]
+        largest += [{**r, "fold": fold} for r in rows]
+        raw += [{**r, "fold": fold} for r in rows_raw]
     decision = choose_postprocessing(largest, raw, plan.labels, plan.keep)
     chosen = largest if decision["keep_largest_components"] else raw
     variants = {"raw": {r["case_id"]: r for r in raw}, "largest_component": {r["case_id"]: r for r in largest}}
@@ -412,10 +411,6 @@ def pool_out_of_fold(plan: Plan, datalist: dict, folds: list[int]) -> dict:
         per_fold[str(fold)] = {"num_cases": len(members), "metrics": summarize(members, columns)}
     return {"num_folds": len(folds), "folds": folds, "num_cases": len(rows), "labels": plan.labels,
             "metrics": summarize(rows, columns), "per_fold": per_fold, "postprocessing": decision}  # fmt: skip
-
-
-def _numbers(row: dict) -> dict:
-    return {k: v for k, v in row.items() if k != "case_id"}
 
 
 def choose_postprocessing(largest: list[dict], raw: list[dict], labels: Sequence[str], keep: int) -> dict:

@@ -32,6 +32,7 @@ from monai.engines.utils import IterationEvents
 from monai.transforms import Compose, apply_transform
 from scripts.inference.inputs import CASE_INDEX, failure_record
 from scripts.inference.outputs import CaseOutputError
+from scripts.inference.records import Case
 
 logger = logging.getLogger(__name__)
 
@@ -39,18 +40,18 @@ logger = logging.getLogger(__name__)
 class CaseByCaseEvaluator(SupervisedEvaluator):
     """``SupervisedEvaluator`` that records a failing case and goes on (see the module docstring)."""
 
-    def __init__(self, *args: Any, on_case_done: Callable[[dict], Any] | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, on_case_done: Callable[[Case], Any] | None = None, **kwargs: Any) -> None:
         for metric in [
             *(kwargs.get("key_val_metric") or {}).values(),
             *(kwargs.get("additional_metrics") or {}).values(),
         ]:
             _count_only_cases_that_ran(metric)
         self.stage_seconds: dict[str, float] = defaultdict(float)
-        self.record: dict = {}  # the case's record, as its dataset holds it (see _iteration)
+        self.record: Case = {}  # the case's record, as its dataset holds it (see _iteration)
         if kwargs.get("postprocessing") is not None:
             kwargs["postprocessing"] = _CasePostprocessing(kwargs["postprocessing"], self)
         super().__init__(*args, **kwargs)
-        self.failures: list[dict] = []
+        self.failures: list[Case] = []  # each failed case's identity, stage and reason
         self.on_case_done = on_case_done
         self._stage = "predict"
         self._started = 0.0
@@ -84,7 +85,7 @@ class CaseByCaseEvaluator(SupervisedEvaluator):
         finally:
             self._case_done(item)
 
-    def _record_of(self, item: dict) -> dict:
+    def _record_of(self, item: dict) -> Case:
         """The case's record from its dataset (:meth:`scripts.inference.inputs.CaseDataset.record`): what stayed out of
         the DataLoader's collation, joined to the case again here, in this process."""
         dataset = getattr(self.data_loader, "dataset", None)
@@ -102,7 +103,7 @@ class CaseByCaseEvaluator(SupervisedEvaluator):
             logger.warning("case %s: after the case: %s", item.get("case_id", "?"), err)
 
     def _fail(self, engine: Engine, item: dict, stage: str, reason: str) -> list:
-        record = {k: item[k] for k in ("case_id", "source", "image") if isinstance(item.get(k), str)}
+        record: Case = {k: item[k] for k in ("case_id", "source", "image") if isinstance(item.get(k), str)}
         record.update(stage=stage, reason=reason)
         self.failures.append(record)
         logger.error("case %s failed at %s: %s", record.get("case_id", "?"), stage, reason)

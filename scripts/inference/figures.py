@@ -16,7 +16,8 @@ import nibabel as nib
 import numpy as np
 from ignite.engine import Engine, Events
 from scipy import ndimage
-from scripts.inference.batches import merged_items
+from scripts.inference.contours import mean_index
+from scripts.inference.records import label_map, merged_items
 from scripts.training.distributed import is_rank0
 
 logger = logging.getLogger(__name__)
@@ -29,10 +30,12 @@ MIN_PANEL = 256  # pixels: smaller slices are enlarged (nearest neighbour)
 
 def to_lps(volume: np.ndarray, affine: np.ndarray) -> np.ndarray:
     """``volume`` [X, Y, Z] with voxel axes reordered/flipped to point L, P, S (axial slices are ``[:, :, k]``)."""
-    transform = nib.orientations.ornt_transform(
-        nib.orientations.io_orientation(affine), nib.orientations.axcodes2ornt(("L", "P", "S"))
-    )
-    return nib.orientations.apply_orientation(volume, transform)
+    return nib.orientations.apply_orientation(volume, _lps_orientation(affine))
+
+
+def _lps_orientation(affine: np.ndarray) -> np.ndarray:
+    orientations = nib.orientations
+    return orientations.ornt_transform(orientations.io_orientation(affine), orientations.axcodes2ornt("LPS"))
 
 
 def render_case(
@@ -67,8 +70,7 @@ def render_case(
         margin = 12
         r0, r1 = max(rows.min() - margin, 0), min(rows.max() + margin + 1, rgb.shape[0])
         c0, c1 = max(cols.min() - margin, 0), min(cols.max() + margin + 1, rgb.shape[1])
-        crop = rgb[r0:r1, c0:c1]
-        zoom = crop
+        zoom = rgb[r0:r1, c0:c1]
     small = max(1, -(-MIN_PANEL // rgb.shape[0]))  # small volumes (the demo's) are enlarged to stay readable
     rgb = rgb.repeat(small, 0).repeat(small, 1)
     if zoom.shape[0] < rgb.shape[0]:
@@ -87,16 +89,6 @@ def png_bytes(rgb: np.ndarray) -> bytes:
     buffer = io.BytesIO()
     Image.fromarray(rgb).save(buffer, format="PNG")
     return buffer.getvalue()
-
-
-def _centre(mask: np.ndarray) -> np.ndarray:
-    """The mean voxel index of ``mask``'s true voxels (``np.argwhere(mask).mean(0)``, the same floats: sums of whole
-    numbers are exact), from its projections on each axis, in any memory order; the grid's centre when it has none."""
-    count = int(np.count_nonzero(mask))
-    if not count:
-        return np.array(mask.shape) / 2
-    others = [tuple(b for b in range(mask.ndim) if b != a) for a in range(mask.ndim)]
-    return np.array([float(mask.sum(axis=o) @ np.arange(n)) / count for o, n in zip(others, mask.shape, strict=True)])
 
 
 def _edge(mask: np.ndarray) -> np.ndarray:
@@ -136,9 +128,8 @@ class ValidationPicture:
         image, label, pred = (item[k] for k in (self.image_key, self.label_key, "pred"))
         # the training grid is RAS (Orientationd); GPU-cached data carries no metadata, so fall back to that
         affine = np.asarray(image.affine, dtype=float) if hasattr(image, "affine") else np.eye(4)
-        rgb = render_case(
-            _volume(image), _volume(label, argmax=True), _volume(pred, argmax=True), affine, (0.0, 1.0), "validation"
-        )
+        ct = np.asarray(image.detach().cpu())[0]
+        rgb = render_case(ct, label_map(label), label_map(pred), affine, (0.0, 1.0), "validation")
         if self._writer is None:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -146,13 +137,6 @@ class ValidationPicture:
         case_id = item.get("case_id", "case")
         self._writer.add_image(f"validation/{case_id}", rgb, global_step=engine.state.epoch, dataformats="HWC")
         self._writer.flush()
-
-
-def _volume(tensor, argmax: bool = False) -> np.ndarray:
-    array = np.asarray(tensor.detach().cpu())
-    if argmax and array.shape[0] > 1:
-        return array.argmax(0)
-    return array[0]
 
 
 def render_planes(
@@ -171,18 +155,16 @@ def render_planes(
     coronal), anterior on the left (sagittal), anterior (axial) or head (coronal, sagittal) at the top; each plane is
     scaled to square millimetres, so 3 mm slices are not squashed.
     """
-    transform = nib.orientations.ornt_transform(
-        nib.orientations.io_orientation(affine), nib.orientations.axcodes2ornt(("L", "P", "S"))
-    )
     labels_lps = to_lps(np.asarray(labels), affine)
     ct = np.zeros(labels_lps.shape, np.float32) if ct is None else to_lps(np.asarray(ct), affine)
-    lps_affine = affine @ nib.orientations.inv_ornt_aff(transform, np.asarray(labels).shape)
+    lps_affine = affine @ nib.orientations.inv_ornt_aff(_lps_orientation(affine), np.asarray(labels).shape)
     spacing = np.linalg.norm(lps_affine[:3, :3], axis=0)
     if centre_lps is not None:
         ras = np.asarray(centre_lps, dtype=float) * [-1, -1, 1]
         centre = np.linalg.solve(lps_affine[:3, :3], ras - lps_affine[:3, 3])
     else:
-        centre = _centre(labels_lps == 1) if (labels_lps == 1).any() else _centre(labels_lps > 0)
+        mask = labels_lps == 1 if (labels_lps == 1).any() else labels_lps > 0
+        centre = mean_index(mask) if mask.any() else np.array(mask.shape) / 2
     i, j, k = (int(np.clip(round(float(c)), 0, n - 1)) for c, n in zip(centre, labels_lps.shape, strict=True))
     axial, coronal, sagittal = (np.asarray(p, np.float32) for p in (ct[:, :, k], ct[:, j, :], ct[i, :, :]))  # 3 only
     planes = [  # (CT plane, label plane, mm per row, mm per column, name): rows top to bottom, columns left to right

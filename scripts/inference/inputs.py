@@ -31,16 +31,16 @@ from monai.data import Dataset, MetaTensor, list_data_collate
 from monai.transforms import MapTransform, apply_transform
 from monai.utils import MetaKeys
 from scripts.common.cpus import usable_cpus
-from scripts.common.files import check_case_name, display_name, unique_name, write_json
+from scripts.common.files import check_case_name, display_name, unique_name
 from scripts.data.dicom import DicomCaseError, read_ct_series, scan_ct_series
 from scripts.data.dicom.ct import SeriesSource, SliceMap
 from scripts.data.dicom.discovery import DicomIndex, damaged_slice, scan
 from scripts.data.dicom.series_rules import PREFERENCE, SeriesRules
+from scripts.inference.records import REPORT, Case, Skipped, as_failed, write_run_report
 
 logger = logging.getLogger(__name__)
 
 NIFTI_SUFFIXES = (".nii", ".nii.gz")
-REPORT = "inference_report.json"
 #: metadata key of a resampled series: its :class:`~scripts.data.dicom.ct.SliceMap` as tensors (they survive collation,
 #: the preprocessing and its inversion as ``original_affine`` does): ``origins`` (slices, 3), ``shape`` (2,),
 #: ``grid_shape`` (3,)
@@ -66,9 +66,9 @@ class InferenceInputError(ValueError):
 
 def find_inputs(
     input_dir: str | Path, report_dir: str | Path | None = None, series_rules: SeriesRules | Mapping | None = None
-) -> list[dict]:
-    """Cases under ``input_dir`` as ``{"image": path, "case_id": ..., "source": "dicom" | "nifti"}``; a DICOM case
-    also carries its ``series_uid`` and ``slice_paths`` (``image`` is the series' folder).
+) -> list[Case]:
+    """Cases under ``input_dir``, each with its ``image``, ``case_id`` and ``source`` (``dicom`` or ``nifti``); a DICOM
+    case also carries its ``series_uid`` and ``slice_paths`` (``image`` is the series' folder).
 
     Every NIfTI file and every DICOM study is a case; each is checked from its headers first, and one that cannot
     work is recorded as failed at the ``check`` stage (with the reason naming the file) and not returned. Top-level
@@ -85,17 +85,11 @@ def find_inputs(
     taken = {c["case_id"] for c in cases + failed}
     for rel in (r for r in index.headers if _is_nifti(Path(r))):
         path = root / rel if root.is_dir() else root
-        cases.append(
-            {
-                "image": str(path),
-                "source": "nifti",
-                "source_path": str(path),
-                "case_id": unique_name(path.name.removesuffix(".gz").removesuffix(".nii").removesuffix(".NII"), taken),
-            }
-        )
+        name = unique_name(path.name.removesuffix(".gz").removesuffix(".nii").removesuffix(".NII"), taken)
+        cases.append(Case(image=str(path), source="nifti", source_path=str(path), case_id=name))
     if root.is_file() and not _is_nifti(root) and not cases:
-        cases.append({"image": str(root), "source": "unknown", "source_path": str(root), "case_id": root.name})
-    failed = [{**f, "source": "dicom", "status": "failed", "stage": "check"} for f in failed]
+        cases.append(Case(image=str(root), source="unknown", source_path=str(root), case_id=root.name))
+    failures = [as_failed({**f, "source": "dicom"}, "check") for f in failed]
     runnable = []
     for case in cases:
         try:
@@ -104,51 +98,34 @@ def find_inputs(
         except Exception as err:  # one input that cannot work never stops the others
             reason = str(err) if isinstance(err, (DicomCaseError, InferenceInputError)) else root_message(err)
             reason = reason if case["image"] in reason else f"{display_name(case['image'])}: {reason}"
-            failed.append({**case, "status": "failed", "stage": "check", "reason": reason})
+            failures.append(as_failed(case, "check", reason))
     skipped = _skipped_folders(root, index)
-    for entry in failed:
+    for entry in failures:
         logger.error("failed: %s", entry["reason"])
     for entry in skipped:
         logger.warning("skipped: %s", entry["reason"])
     if report_dir is not None:
-        records = [{**c, "status": "pending"} for c in runnable] + failed
+        records = [{**c, "status": "pending"} for c in runnable] + failures
         records = [{k: v for k, v in r.items() if k != "slice_paths"} for r in records]
-        write_report(
-            report_dir,
-            {
-                "input_dir": str(root),
-                "series_rules": asdict(SeriesRules.of(series_rules)),
-                "cases": records,
-                "skipped": skipped,
-                "skipped_files": index.skipped(),
-            },
-        )
+        found = {"cases": records, "skipped": skipped, "skipped_files": index.skipped()}
+        rules = asdict(SeriesRules.of(series_rules))
+        write_run_report(report_dir, {"input_dir": str(root), "series_rules": rules, **found})
     if not runnable:
-        detail = "; ".join(e["reason"] for e in failed + skipped) or "it is empty"
+        detail = "; ".join(e["reason"] for e in failures + skipped) or "it is empty"
         advice = (
             "Each case found failed for the reason given: repair or replace those files, or change the series_rules "
             "that refused them."
-            if failed
+            if failures
             else "Give a folder holding DICOM CT series (any layout: a TCIA download, a PACS export) or NIfTI files "
             "(.nii.gz)."
         )
         raise InferenceInputError(f"--input_dir {root}: no usable input ({detail}). {advice}")
-    logger.info(
-        "%d case(s) to infer under %s; %d failed their check, %d skipped",
-        len(runnable),
-        root,
-        len(failed),
-        len(skipped),
-    )
+    counts = (len(runnable), root, len(failures), len(skipped))
+    logger.info("%d case(s) to infer under %s; %d failed their check, %d skipped", *counts)
     return runnable
 
 
-def write_report(folder: str | Path, report: dict) -> Path:
-    """``<folder>/inference_report.json`` (atomically): every case with its outcome, and the skipped inputs."""
-    return write_json(Path(folder) / REPORT, report)
-
-
-def _skipped_folders(root: Path, index: DicomIndex) -> list[dict]:
+def _skipped_folders(root: Path, index: DicomIndex) -> list[Skipped]:
     """The folders not read (an earlier run's outputs, this run's, a top-level link to a folder read already), with
     why, and the other top-level folders of ``root`` that hold no CT image and no NIfTI file."""
     if not root.is_dir():
@@ -162,7 +139,7 @@ def _skipped_folders(root: Path, index: DicomIndex) -> list[dict]:
         if child.name not in found and not any(Path(rel).parts[:1] == (child.name,) for rel in why):
             why[child.name] = "no CT series (DICOM) or NIfTI."
     named = {rel: display_name(str(root / rel)) for rel in why}
-    return [{"input": named[rel], "reason": f"{named[rel]}: {why[rel]}"} for rel in sorted(why)]
+    return [Skipped(input=named[rel], reason=f"{named[rel]}: {why[rel]}") for rel in sorted(why)]
 
 
 def _not_inputs(output_dir: str | Path | None) -> Callable[[Path, Sequence[str]], str | None]:
@@ -199,7 +176,7 @@ class CaseDataset(Dataset):
         super().__init__(data=data, transform=transform)
         self.load = load
 
-    def record(self, index: int) -> dict:
+    def record(self, index: int) -> Case:
         """The case's record as it was given (discovery's, a datalist's entry)."""
         return dict(self.data[int(index)])
 
@@ -294,9 +271,10 @@ def as_float32(array: np.ndarray, threads: int | None = None) -> np.ndarray:
     """``array`` as a C-ordered float32 copy, the values of ``np.ascontiguousarray(array, dtype=np.float32)``.
 
     A CT comes Fortran-ordered (the DICOM reader's slices, a NIfTI's data), so the copy transposes it; done in one
-    call, its strided reads took 0.29 s for 512 x 512 x 120 voxels on 2 cores. Copied a plane of the middle axis at a
-    time (a 512 x 120 plane fits in cache), in chunks shared by ``threads`` (None: the CPUs this process may use, at
-    most :data:`CONVERT_THREADS`; numpy's copy runs outside Python's lock), it took 0.045 s."""
+    call, its reads are strided. Copied a plane of the middle axis at a time (a 512 x 120 plane fits in cache), in
+    chunks shared by ``threads`` (None: the CPUs this process may use, at most :data:`CONVERT_THREADS`; numpy's copy
+    runs outside Python's lock), it takes a third of the time (docs/performance.md, "The seconds around the
+    network")."""
     if array.ndim != 3 or not array.flags.f_contiguous or array.flags.c_contiguous:
         return np.ascontiguousarray(array, dtype=np.float32)
     out = np.empty(array.shape, dtype=np.float32)

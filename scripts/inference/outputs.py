@@ -1,4 +1,4 @@
-"""What inference writes per case, the report of every case's outcome, and the command's exit status.
+"""What inference writes per case, each case's outcome in the run's report, and the command's exit status.
 
 * :class:`SaveCased` writes, per case, into ``<output_dir>/<case>/``: ``<case>_seg.nii.gz`` on the input's own grid
   (for a DICOM series acquired at uneven spacing or with a gantry tilt: the equal-step orthogonal grid
@@ -14,18 +14,16 @@
   ``<output_dir>/report.csv`` gets one row per case and structure. A case's files are written into a hidden folder and
   moved into place together: a case that fails while writing leaves nothing half-written, and its outputs from an
   earlier run stay as they were. The writers that wait on nothing else run side by side in a pool of ``workers`` threads
-  (default: up to
-  :data:`WRITE_WORKERS`, no more than the CPUs; zlib, numpy and file writes release Python's lock), which ends with
-  the call; the label map is converted once, in NIfTI's voxel order, and the CT's headers read once; the SR waits
-  for the report and the SEG. What they write is what they write one after the other (``workers=1``).
+  (default: up to :data:`WRITE_WORKERS`, no more than the CPUs; zlib, numpy and file writes release Python's lock),
+  which ends with the call; the label map is converted once, in NIfTI's voxel order, and the CT's headers read once;
+  the SR waits for the report and the SEG. What they write is what they write one after the other (``workers=1``).
   Given ``models`` (:meth:`scripts.inference.ensemble.Models.record`: the weight files with their SHA-256, TTA,
   post-processing), the DICOM SEG carries them as its algorithm's parameters and the tumour report as ``models``.
   Given ``plausible`` (limits of :func:`scripts.inference.report.implausible`), a tumour unlikely to be a lung GTV --
   bigger than one is likely to be, in more pieces, filling most of the border of the region the network ran on
   (``inferer``'s last region) -- is flagged, with what to check (:data:`scripts.inference.report.WHAT_TO_CHECK`), in the
   report's ``implausible``, a warning in the log and the SR's findings; the case is written all the same.
-* :class:`InferenceSummary` completes ``inference_report.json`` (written by
-:func:`scripts.inference.inputs.find_inputs`)
+* :class:`InferenceSummary` completes the run's report, ``inference_report.json`` (:mod:`scripts.inference.records`),
   case by case -- ``done`` with its files, seconds and any ``flags``, or ``failed`` with the stage and the reason --
   records the ``models`` used, and prints one line at the end (naming the flagged cases, if any).
 * :func:`exit_on_failures` ends the command with status 1 when any case failed (the others are written), the
@@ -51,27 +49,27 @@ import numpy as np
 from ignite.engine import Engine, Events
 from monai.transforms import MapTransform
 from scripts.common.cpus import usable_cpus
-from scripts.common.files import display_name, save_nifti, write_json
+from scripts.common.files import display_name, save_nifti
 from scripts.common.geometry import bounding_box, voxel_volume_ml
 from scripts.data.dicom import CtSeries, SeriesSource, SliceMap, read_ct_series, scan_ct_series
-from scripts.inference.batches import merged_items
+from scripts.data.dicom.identity import algorithm_identification, bundle_version
 from scripts.inference.figures import png_bytes, render_planes
 from scripts.inference.inputs import slice_map_of
+from scripts.inference.records import REPORT, merged_items, read_run_report, write_run_report
 from scripts.inference.report import (
     WHAT_TO_CHECK,
     implausible,
     report_rows,
     tumour_report,
-    write_report,
     write_report_csv,
+    write_tumour_report,
 )
 from scripts.inference.writers.rtstruct import write_rtstruct
-from scripts.inference.writers.seg import algorithm_identification, source_images, with_type_2, write_dicom_seg
+from scripts.inference.writers.seg import source_images, with_type_2, write_dicom_seg
 from scripts.inference.writers.sr import write_sr
 
 logger = logging.getLogger(__name__)
 
-REPORT = "inference_report.json"
 #: the most writers :class:`SaveCased` runs side by side by default (NIfTI, report, picture, SEG, RTSTRUCT: at most four
 #: at once wait on nothing else)
 WRITE_WORKERS = 4
@@ -92,7 +90,7 @@ class SaveCased(MapTransform):
         output_dir: str | Path,
         labels: Sequence[str],
         write_seg: bool = True,
-        algorithm_version: str = "0.1.0",
+        algorithm_version: str | None = None,
         enabled: bool = True,
         allow_missing_keys: bool = False,
         write_rtstruct: bool = False,
@@ -109,13 +107,13 @@ class SaveCased(MapTransform):
         self.labels = list(labels)
         self.write_seg, self.write_rtstruct, self.write_sr = write_seg, write_rtstruct, write_sr
         self.write_report = write_report
-        self.version = str(algorithm_version)
+        self.version = str(algorithm_version or bundle_version())  # the bundle's (configs/metadata.json) unless given
         self.models = dict(models) if models else None
         self.plausible = dict(plausible) if plausible else None
         self.inferer = inferer  # its ``last["box_lps_mm"]``: where the network ran on the case just predicted
         # how many writers run side by side (1: one after the other in the calling thread, the serial code)
         self.workers = max(1, int(workers)) if workers is not None else min(WRITE_WORKERS, usable_cpus())
-        self.algorithm = algorithm_identification(algorithm_version)
+        self.algorithm = algorithm_identification(self.version)
         #: the last case's seconds per output (``labels``, ``nifti``, ``ct``, ``report``, ``picture``, ``dicom_seg``,
         #: ``rtstruct``, ``sr``, ``move``), for python -m benchmarks.bench_outputs
         self.last_seconds: dict[str, float] = {}
@@ -239,7 +237,7 @@ class SaveCased(MapTransform):
             context["notes"] = notes
         if self.models:
             context["models"] = self.models
-        write_report(report, case_id, folder, **context)
+        write_tumour_report(report, case_id, folder, **context)
         return report, flags
 
 
@@ -352,8 +350,9 @@ def original_ct(
     path: SeriesSource, source: str, shape: tuple[int, ...]
 ) -> tuple[np.ndarray | None, list[str], CtSeries | None]:
     """The case's CT in HU on the grid inference read it on (a DICOM series' own, or its equal-step grid when it was
-    resampled; a NIfTI's), for the report, the reader's notes and the DICOM series read (None for NIfTI); HU None if
-    it cannot be read again or does not match the prediction's grid (the report then has no HU statistics)."""
+    resampled; a NIfTI's), for the report and the pictures, the reader's notes and the DICOM series read (None for
+    NIfTI); HU None if it cannot be read again or does not match the prediction's grid (the report then has no HU
+    statistics, the picture no CT)."""
     ct = None
     try:
         if source == "dicom":
@@ -361,8 +360,8 @@ def original_ct(
             hu, notes = ct.hu, ct.notes
         else:
             hu, notes = np.asarray(nib.load(str(path)).dataobj), []
-    except Exception as err:  # the prediction is written without HU statistics rather than not at all
-        logger.warning("%s: CT not read again for the report (%s)", path, err)
+    except Exception as err:  # the prediction is written (a picture drawn) without the CT rather than not at all
+        logger.warning("%s: CT not read again for the report or picture (%s)", path, err)
         return None, [], None
     hu = hu.reshape(hu.shape[:3]) if hu.ndim == 4 and hu.shape[3] == 1 else hu
     return (hu if hu.shape == tuple(shape) else None), notes, ct
@@ -395,8 +394,7 @@ class InferenceSummary:
         engine.add_event_handler(Events.COMPLETED, self._completed)
 
     def _started(self, engine: Engine) -> None:
-        path = self.output_dir / REPORT
-        self.report = json.loads(path.read_text()) if path.is_file() else {"cases": [], "skipped": []}
+        self.report = read_run_report(self.output_dir)
         if self.models:
             self.report["models"] = self.models
         self._start = time.perf_counter()
@@ -423,7 +421,7 @@ class InferenceSummary:
         for failure in getattr(engine, "failures", [])[len(self._failed()) :]:
             self._update(failure.get("case_id", "?"), status="failed", stage=failure["stage"],
                          reason=failure["reason"], seconds=seconds)  # fmt: skip
-        write_json(self.output_dir / REPORT, self.report)
+        write_run_report(self.output_dir, self.report)
 
     def _failed(self) -> list[dict]:
         return [c for c in self.report["cases"] if c.get("status") == "failed" and c.get("stage") != "check"]
@@ -445,7 +443,7 @@ class InferenceSummary:
         flagged = [str(c.get("case_id")) for c in done if c.get("flags")]
         self.report.update(num_done=len(done), num_failed=len(failed), num_skipped=len(self.report["skipped"]),
                            num_flagged=len(flagged))  # fmt: skip
-        write_json(self.output_dir / REPORT, self.report)
+        write_run_report(self.output_dir, self.report)
         per_case = total / max(len(done) + len(failed), 1)
         names = ", ".join(flagged[:10]) + (", ..." if len(flagged) > 10 else "")
         print(

@@ -1,15 +1,14 @@
 """Reading the collection's DICOM into volumes on the CT's own voxel grid.
 
 * :mod:`~scripts.data.dicom.ct` -- a CT series folder -> HU volume + LPS affine (checked before any pixel is decoded;
-for
-  inference, a series at uneven spacing or with a gantry tilt on an equal-step grid that maps back to its slices);
+  for inference, a series at uneven spacing or with a gantry tilt on an equal-step grid that maps back to its slices);
 * :mod:`~scripts.data.dicom.seg` -- a DICOM SEG -> label volume on that CT's grid (sparse SEGs, tolerant names);
-* :mod:`~scripts.data.dicom.rtstruct` -- an RTSTRUCT -> label volume on that CT's grid (contours rasterised in world
-mm);
+* :mod:`~scripts.data.dicom.rtstruct` -- an RTSTRUCT -> label volume on that CT's grid (its world-mm contours filled);
 * :mod:`~scripts.data.dicom.case` -- both together, as ``scripts.data.prepare`` writes them;
 * :mod:`~scripts.data.dicom.discovery` -- which cases a folder holds, from the files' headers, in any layout;
 * :mod:`~scripts.data.dicom.series_rules` -- which CT series of a study is the case's CT (folders and PACS alike);
-* :mod:`~scripts.data.dicom.codes` -- how structures are coded when the bundle writes DICOM.
+* :mod:`~scripts.data.dicom.codes` -- how structures are coded when the bundle writes DICOM;
+* :mod:`~scripts.data.dicom.identity` -- who the bundle says it is there: its name, manufacturer and version.
 
 Problems raise :class:`DicomCaseError` with a message that names the file and says what to do.
 """

@@ -64,7 +64,7 @@ from tqdm import tqdm
 logger = logging.getLogger(__name__)
 
 #: bump when what a header record holds changes: older caches are then read again
-INDEX_VERSION = 2  # 2: GantryDetectorTilt of CT images; study, series and modality of other objects
+INDEX_VERSION = 2  # records with a CT image's GantryDetectorTilt, another object's study, series and modality
 #: the only tags read from each file (pydicom skips the rest of the header; pixel data is never read)
 HEADER_TAGS = (
     "SOPClassUID",

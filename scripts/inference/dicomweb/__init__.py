@@ -2,11 +2,9 @@
 the study they came from.
 
 Four parts, each one job: :mod:`~scripts.inference.dicomweb.client` (the server: HTTP, authentication, retries,
-diagnosis),
-:mod:`~scripts.inference.dicomweb.dicomjson` (reading DICOM JSON), :mod:`~scripts.inference.dicomweb.cases` (studies to
-cases),
-:mod:`~scripts.inference.dicomweb.transforms` (retrieve and store, as MONAI transforms). The configs name them from
-here.
+diagnosis), :mod:`~scripts.inference.dicomweb.dicomjson` (reading DICOM JSON), :mod:`~scripts.inference.dicomweb.cases`
+(studies to cases), :mod:`~scripts.inference.dicomweb.transforms` (retrieve and store, as MONAI transforms). The
+configs name them from here.
 
 * :class:`DicomWeb` is one server: its URL, the authentication (none, HTTP basic, or a bearer token -- the secret read
   from an environment variable or a file, never from the command line, never logged or reported), the CA bundle for

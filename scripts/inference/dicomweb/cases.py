@@ -14,11 +14,11 @@ from urllib.parse import parse_qsl
 
 import scripts.data.dicom.series_rules
 from scripts.common.files import safe_name, unique_name
+from scripts.data.dicom.identity import ALGORITHM_NAME, bundle_version
 from scripts.data.dicom.series_rules import InstanceHeader, SeriesRules, choose_series, gantry_tilt_of
 from scripts.inference.dicomweb.client import DicomWeb, DicomWebError
 from scripts.inference.dicomweb.dicomjson import first, values
-from scripts.inference.inputs import write_report
-from scripts.inference.writers.seg import ALGORITHM_NAME
+from scripts.inference.records import Case, Skipped, as_failed, write_run_report
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ def find_cases(
     store: bool = False,
     force_store: bool = False,
     algorithm_version: str | None = None,
-) -> list[dict]:
+) -> list[Case]:
     """Cases on the server, one per study (``study_uids`` and/or those the QIDO-RS ``query`` finds, e.g.
     ``{"ModalitiesInStudy": "CT", "StudyDate": "20250101-20250131"}``), each
     ``{"case_id", "image", "source": "dicom", "source_path", "study_uid", "series_uid", "instances"}`` with the CT
@@ -67,9 +67,10 @@ def find_cases(
 
     A study that is not found, or whose CT series all break the rules, fails its ``check`` (the reason lists each
     series and why); a study the query found without any CT series is skipped, and so is one whose results for the
-    chosen series are already stored by this ``algorithm_version`` when ``store`` is on and not ``force_store``. With
-    ``report_dir`` all of it goes to ``<report_dir>/inference_report.json``: the choice and the alternatives of
-    every study. A failing request to the server (credentials, certificate, URL) raises :class:`DicomWebError`.
+    chosen series are already stored by this ``algorithm_version`` (None: the bundle's) when ``store`` is on and not
+    ``force_store``. With ``report_dir`` all of it goes to ``<report_dir>/inference_report.json``: the choice and the
+    alternatives of every study. A failing request to the server (credentials, certificate, URL) raises
+    :class:`DicomWebError`.
     """
     if server.url is None:
         raise DicomWebError("no DICOMweb server: give --dicomweb_url URL.")
@@ -84,63 +85,45 @@ def find_cases(
     studies = server.find_studies(uids, filters)
     found = {first(s, "StudyInstanceUID") for s in studies}
     records, failed, skipped, names = [], [], [], set()
-    for uid in uids:
-        if uid not in found:
-            failed.append(
-                {
-                    "case_id": uid,
-                    "image": server.study_url(uid),
-                    "source": "dicom",
-                    "status": "failed",
-                    "stage": "check",
-                    "reason": f"study {uid}: not found on {server.url} (QIDO-RS found no "
-                    "study with this StudyInstanceUID)",
-                }
-            )
+    for uid in (u for u in uids if u not in found):
+        why = f"study {uid}: not found on {server.url} (QIDO-RS found no study with this StudyInstanceUID)"
+        failed.append(as_failed(Case(case_id=uid, image=server.study_url(uid), source="dicom"), "check", why))
+    version = algorithm_version or bundle_version()
     for study in studies:
         case_id = _case_id(study, names)
-        record, problem = _study_case(server, study, case_id, rules, store and not force_store, algorithm_version)
+        record, problem = _study_case(server, study, case_id, rules, store and not force_store, version)
         if problem is None:
             records.append(record)
         elif problem == "skipped" or (problem == "no CT" and first(study, "StudyInstanceUID") not in uids):
-            skipped.append({"input": record["image"], "case_id": case_id, "reason": record["reason"]})
+            skipped.append(Skipped(input=record["image"], case_id=case_id, reason=record["reason"]))
         else:
-            failed.append({**record, "status": "failed", "stage": "check"})
+            failed.append(as_failed(record, "check"))
     for entry in failed:
         logger.error("failed: %s", entry["reason"])
     for entry in skipped:
         logger.warning("skipped: %s", entry["reason"])
     if report_dir is not None:
         report = {"dicomweb_url": server.url, "study_uids": uids, "dicomweb_query": filters}
-        write_report(
+        write_run_report(
             report_dir, {**report, "series_rules": asdict(rules), "cases": records + failed, "skipped": skipped}
         )
     if not studies and not uids:
         logger.warning("the query %s found no study on %s", filters, server.url)
-    logger.info(
-        "%d case(s) to infer from %s; %d failed their check, %d skipped",
-        len(records),
-        server.url,
-        len(failed),
-        len(skipped),
-    )
+    counts = (len(records), server.url, len(failed), len(skipped))
+    logger.info("%d case(s) to infer from %s; %d failed their check, %d skipped", *counts)
     keep = ("case_id", "image", "source", "source_path", "study_uid", "series_uid", "instances")
     return [{k: r[k] for k in keep} for r in records]
 
 
 def _study_case(
-    server: DicomWeb, study: Mapping, case_id: str, rules: SeriesRules, dedup: bool, version: str | None
-) -> tuple[dict, str | None]:
+    server: DicomWeb, study: Mapping, case_id: str, rules: SeriesRules, dedup: bool, version: str
+) -> tuple[Case, str | None]:
     """The case record of one study, and None, or a problem (``failed``, ``no CT``, ``skipped``) with its reason in
     the record."""
     uid = str(first(study, "StudyInstanceUID"))
-    record: dict[str, Any] = {
-        "case_id": case_id,
-        "image": server.study_url(uid),
-        "source": "dicom",
-        "study_uid": uid,
-        "study": _study_summary(study),
-    }
+    record = Case(
+        case_id=case_id, image=server.study_url(uid), source="dicom", study_uid=uid, study=_study_summary(study)
+    )
     try:
         series = server.series_of(uid)
         described = []
@@ -165,7 +148,7 @@ def _study_case(
             series=chosen,
         )
         if dedup:
-            there = server.find_results(uid, chosen["series_uid"], str(version), series)
+            there = server.find_results(uid, chosen["series_uid"], version, series)
             if there:
                 kinds = ", ".join(f"{o['modality']} {o['sop_uid']}" for o in there)
                 record["reason"] = (

@@ -22,8 +22,8 @@ import pydicom
 import requests
 from dicomweb_client.api import DICOMwebClient
 from scripts.common.retry import RETRIES, GaveUpError, RetryPolicy, TransientError
+from scripts.data.dicom.identity import ALGORITHM_NAME
 from scripts.inference.dicomweb.dicomjson import algorithms, first, object_of, referenced
-from scripts.inference.writers.seg import ALGORITHM_NAME
 
 logger = logging.getLogger(__name__)
 

@@ -3,7 +3,6 @@ so the next case downloads while the network runs), :class:`StoreResultsd` store
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -15,10 +14,9 @@ from typing import Any
 
 from ignite.engine import Engine, Events
 from monai.transforms import MapTransform
-from scripts.common.files import write_json
+from scripts.data.dicom.identity import ALGORITHM_NAME, bundle_version
 from scripts.inference.dicomweb.client import DicomWeb, DicomWebError, DicomWebStoreError
-from scripts.inference.inputs import REPORT
-from scripts.inference.writers.seg import ALGORITHM_NAME
+from scripts.inference.records import update_run_report
 
 logger = logging.getLogger(__name__)
 
@@ -66,9 +64,10 @@ def _remove_own_folder(path: Path, owner: int) -> None:
 
 class StoreResultsd(MapTransform):
     """After ``save_case``: store the case's DICOM SEG, RTSTRUCT and SR (``<keys>_files``) into its study
-    (:meth:`DicomWeb.store`), unless this ``algorithm_version``'s results for its series are there already (checked
-    just before; ``force`` stores anyway). Also an evaluator handler: each case's outcome -- ``stored`` (the objects)
-    or ``already_stored`` (those found) -- goes into ``<output_dir>/inference_report.json`` as the case's ``store``.
+    (:meth:`DicomWeb.store`), unless this ``algorithm_version``'s (None: the bundle's) results for its series are there
+    already (checked just before; ``force`` stores anyway). Also an evaluator handler: each case's outcome --
+    ``stored`` (the objects) or ``already_stored`` (those found) -- goes into ``<output_dir>/inference_report.json`` as
+    the case's ``store``.
     """
 
     stage = "store"  # what CaseByCaseEvaluator times it as
@@ -76,16 +75,17 @@ class StoreResultsd(MapTransform):
     def __init__(
         self,
         server: DicomWeb,
-        algorithm_version: str,
         output_dir: str | Path,
         keys: Any = "pred",
         enabled: bool = True,
         force: bool = False,
+        algorithm_version: str | None = None,
     ) -> None:
         super().__init__(keys)
         if enabled and server.url is None:
             raise DicomWebError("--store true stores into a DICOMweb server: give --dicomweb_url URL.")
-        self.server, self.version, self.output_dir = server, str(algorithm_version), Path(output_dir)
+        self.server, self.output_dir = server, Path(output_dir)
+        self.version = str(algorithm_version or bundle_version())
         self.enabled, self.force = bool(enabled), bool(force)
         self.outcomes: dict[str, dict] = {}
 
@@ -101,14 +101,8 @@ class StoreResultsd(MapTransform):
             outcome.update(status="nothing_to_store", reason="no DICOM object was written (write_dicom_seg, ...)")
         elif not self.force and (there := self.server.find_results(study, series, self.version)):
             outcome.update(status="already_stored", objects=there)
-            logger.warning(
-                "%s: %s %s's results for series %s are already in study %s: not stored again",
-                case_id,
-                ALGORITHM_NAME,
-                self.version,
-                series,
-                study,
-            )
+            logger.warning("%s: %s %s's results for series %s are already in study %s: not stored again", case_id,
+                           ALGORITHM_NAME, self.version, series, study)  # fmt: skip
         else:
             try:
                 outcome.update(status="stored", objects=self.server.store(paths, study))
@@ -116,9 +110,8 @@ class StoreResultsd(MapTransform):
                 where = Path(paths[0]).parent
                 message = f"{err}. The case's results are in {where}; a new run stores them"
                 raise DicomWebStoreError(message, err.status) from None
-            logger.info(
-                "%s: stored %s into %s", case_id, ", ".join(o["modality"] for o in outcome["objects"]), outcome["url"]
-            )
+            stored = ", ".join(o["modality"] for o in outcome["objects"])
+            logger.info("%s: stored %s into %s", case_id, stored, outcome["url"])
         self.outcomes[case_id] = outcome
         return d
 
@@ -129,11 +122,4 @@ class StoreResultsd(MapTransform):
         engine.add_event_handler(Events.COMPLETED, self._record)
 
     def _record(self, engine: Engine) -> None:
-        path = self.output_dir / REPORT
-        if not self.outcomes or not path.is_file():
-            return
-        report = json.loads(path.read_text())
-        for case in report.get("cases", []):
-            if case.get("case_id") in self.outcomes:
-                case["store"] = self.outcomes[case["case_id"]]
-        write_json(path, report)
+        update_run_report(self.output_dir, {case_id: {"store": outcome} for case_id, outcome in self.outcomes.items()})

@@ -10,7 +10,7 @@ Output: one RTSTRUCT file with
   Generation Algorithm AUTOMATIC with this bundle's name and version;
 * closed planar contours per CT slice, each referencing that slice's SOP Instance UID, in the CT's frame of
   reference, study and patient; a structure's holes are separate contours (the even-odd rule readers apply);
-* contours traced at sub-voxel precision (:func:`scripts.inference.report.outlines`, marching squares at level 0.5 as
+* contours traced at sub-voxel precision (:func:`scripts.inference.contours.outlines`, marching squares at level 0.5 as
   ``skimage.measure.find_contours`` traces them: the outline runs halfway between voxel centres inside and outside,
   so a reader that fills voxel centres gets the mask back exactly), placed in world mm through each slice's own
   ImagePositionPatient and the series' orientation and pixel spacing.
@@ -48,8 +48,9 @@ from pydicom.uid import ImplicitVRLittleEndian
 from scripts.common.files import replace_atomically
 from scripts.common.labels import normalize_name
 from scripts.data.dicom import RTSTRUCT_STORAGE, ScannedSeries, SeriesSource, scan_ct_series, segment_description
-from scripts.inference.report import outlines
-from scripts.inference.writers.seg import ALGORITHM_NAME, MANUFACTURER, PATIENT_STUDY_TYPE_2, algorithm_identification
+from scripts.data.dicom.identity import ALGORITHM_NAME, MANUFACTURER, algorithm_identification
+from scripts.inference.contours import outlines
+from scripts.inference.writers.seg import PATIENT_STUDY_TYPE_2
 
 logger = logging.getLogger(__name__)
 
@@ -101,10 +102,9 @@ def write_rtstruct(
 
 
 def _corners(points: np.ndarray, planes: np.ndarray, starts: np.ndarray) -> tuple:
-    """The points of each closed outline where it turns (:func:`scripts.inference.report.outlines`' ``points``,
-    ``planes``, ``starts``): the traced staircase has long runs of collinear points, which add bytes and no shape
-    (exactly collinear, so dropping them leaves the polygon as it was); an outline with fewer than three turns keeps
-    all."""
+    """The points of each closed outline where it turns (``outlines``' ``points``, ``planes``, ``starts``): the traced
+    staircase has long runs of collinear points, which add bytes and no shape (exactly collinear, so dropping them
+    leaves the polygon as it was); an outline with fewer than three turns keeps all."""
     lengths = np.diff(starts)
     outline = np.repeat(np.arange(len(lengths)), lengths)
     first, length, index = starts[:-1][outline], lengths[outline], np.arange(len(points))

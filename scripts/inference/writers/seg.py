@@ -9,13 +9,9 @@ from pathlib import Path
 import highdicom as hd
 import numpy as np
 import pydicom
-from pydicom.sr.codedict import codes
 from scripts.common.files import replace_atomically
 from scripts.data.dicom import ScannedSeries, SeriesSource, scan_ct_series, segment_description
-
-ALGORITHM_NAME = "SwinUNETR NSCLC-Radiomics bundle"
-MANUFACTURER = "NSCLC SwinUNETR bundle"
-
+from scripts.data.dicom.identity import ALGORITHM_NAME, MANUFACTURER
 
 #: Type 2 attributes of the Patient, General Study and Frame of Reference modules that every object we write carries
 #: (highdicom copies them from the source CT): present, empty when unknown, as the standard allows
@@ -43,13 +39,6 @@ def source_images(series: ScannedSeries) -> list[pydicom.Dataset]:
         if ds.get("SliceThickness") in (None, ""):
             ds.SliceThickness = round(float(np.linalg.norm(series.affine[:3, 2])), 6)
     return source
-
-
-def algorithm_identification(version: str) -> hd.AlgorithmIdentificationSequence:
-    """Who made the segmentation: this bundle, at ``version`` (recorded in every object written)."""
-    return hd.AlgorithmIdentificationSequence(
-        name=ALGORITHM_NAME, family=codes.cid7162.ArtificialIntelligence, version=str(version)
-    )
 
 
 def write_dicom_seg(

@@ -11,11 +11,10 @@ SR, written atomically, with one measurement group per structure:
   report has them; laterality (left/right) as a qualitative evaluation;
 * a structure not found: TID 1501 group with volume 0 mm3, so "looked for, found nothing" is stated, not implied;
 * a structure flagged as implausible (:func:`scripts.inference.report.implausible`): in its group, one qualitative
-evaluation
-  "Quality Finding" (DCM 111052) per finding -- its value coded in this bundle's private scheme :data:`SCHEME`
-  (declared in the Coding Scheme Identification Sequence), e.g. "Volume above what a lung GTV is likely to be" --
-  and one whose value says what to check ("Check the weights' labels, the input's body region and modality"), so a
-  PACS shows the warning beside the numbers it is about.
+  evaluation "Quality Finding" (DCM 111052) per finding -- its value coded in this bundle's private scheme
+  :data:`SCHEME` (declared in the Coding Scheme Identification Sequence), e.g. "Volume above what a lung GTV is likely
+  to be" -- and one whose value says what to check ("Check the weights' labels, the input's body region and
+  modality"), so a PACS shows the warning beside the numbers it is about.
 
 Finding type and category reuse the SNOMED codes of the SEG segments (:func:`scripts.data.dicom.segment_description`).
 """
@@ -33,7 +32,8 @@ from pydicom.sr.codedict import codes
 from scripts.common.files import replace_atomically
 from scripts.common.labels import normalize_name
 from scripts.data.dicom import SEG_STORAGE, ScannedSeries, SeriesSource, scan_ct_series, segment_description
-from scripts.inference.writers.seg import ALGORITHM_NAME, MANUFACTURER, with_type_2
+from scripts.data.dicom.identity import ALGORITHM_NAME, MANUFACTURER
+from scripts.inference.writers.seg import with_type_2
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ SERIES_NUMBER_OFFSET = 9200  # the SEG takes the CT's series number + 9000, the 
 #: this bundle's private coding scheme for its findings (PS3.16: a designator starting with 99 is private)
 SCHEME = "99NSCLCSWIN"
 #: the coded value of each finding of :func:`scripts.inference.report.implausible` (by measurement), and of what to
-# check
+#: check
 FINDINGS = {
     "volume_ml": hd.sr.CodedConcept("IMPL-VOLUME", SCHEME, "Volume above what a lung GTV is likely to be"),
     "components": hd.sr.CodedConcept("IMPL-PIECES", SCHEME, "More separate pieces than a lung GTV is likely to have"),

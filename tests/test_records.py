@@ -1,16 +1,51 @@
-"""Per-case items of an evaluator iteration: batch and output dicts merged case by case (a list or a single dict;
-mismatched lengths fall back to the outputs), label maps from one-hot or single-channel tensors, and the case id from
-``case_id`` or the image's file name."""
+"""A case's record and the run's report: a failed case listed with its stage and reason, the report written, read
+(an empty one where there is none) and completed case by case. Per-case items of an evaluator iteration: batch and
+output dicts merged case by case (a list or a single dict; mismatched lengths fall back to the outputs), label maps
+from one-hot or single-channel tensors, and the case id from ``case_id`` or the image's file name."""
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 from monai.data import MetaTensor
-from scripts.inference.batches import case_id_of, label_map, merged_items
+from scripts.inference.records import (
+    REPORT,
+    Case,
+    as_failed,
+    case_id_of,
+    label_map,
+    merged_items,
+    read_run_report,
+    report_path,
+    update_run_report,
+    write_run_report,
+)
+
+
+def test_a_failed_case_keeps_its_record_and_says_where_and_why():
+    case = Case(case_id="A", image="/in/A", source="dicom", reason="its own")
+    assert as_failed(case, "check") == {**case, "status": "failed", "stage": "check"}
+    assert list(as_failed(case, "check", "another")) == ["case_id", "image", "source", "reason", "status", "stage"]
+    assert as_failed(Case(case_id="B"), "read", "why")["reason"] == "why"
+
+
+def test_the_run_report_is_written_read_and_completed_case_by_case(tmp_path):
+    assert read_run_report(tmp_path) == {"cases": [], "skipped": []}
+    update_run_report(tmp_path, {"A": {"store": "x"}})
+    assert not report_path(tmp_path).exists(), "no report: nothing to complete, none made"
+    write_run_report(tmp_path, {"cases": [Case(case_id="A"), Case(case_id="B")], "skipped": []})
+    assert report_path(tmp_path) == tmp_path / REPORT == tmp_path / "inference_report.json"
+    update_run_report(tmp_path, {"B": {"store": {"status": "stored"}}, "C": {"store": "not in the report"}})
+    written = json.loads(report_path(tmp_path).read_text())
+    assert (
+        written
+        == read_run_report(tmp_path)
+        == {"cases": [{"case_id": "A"}, {"case_id": "B", "store": {"status": "stored"}}], "skipped": []}
+    )
 
 
 def engine_with(batch, output) -> SimpleNamespace:
