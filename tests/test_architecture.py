@@ -7,6 +7,7 @@ closes at run time still makes the order of imports matter and the modules impos
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -70,7 +71,7 @@ def test_the_import_graph_has_no_circle(graph):
         path.append(module)
         for imported in sorted(graph[module]):
             if state.get(imported) == 1:
-                circle = path[path.index(imported) :] + [imported]
+                circle = [*path[path.index(imported) :], imported]
                 pytest.fail("import circle: " + " -> ".join(circle))
             if imported not in state:
                 visit(imported)
@@ -131,3 +132,31 @@ def test_each_module_has_its_test_file():
         if not any((ROOT / "tests" / test).is_file() for test in tests):
             missing.append(f"{path.relative_to(ROOT)}: tests/{min(tests, key=len)}")
     assert not missing, "modules without their test file:\n" + "\n".join(missing)
+
+
+def history_in(text: str, versions: set[str]) -> list[str]:
+    """What in ``text`` says when rather than what: one of the bundle's versions, a date, an issue number, or which
+    run of a machine measured something (those belong to CHANGELOG.md and docs/performance.md)."""
+    series = {v.rsplit(".", 1)[0] for v in versions}
+    patterns = [
+        r"(?<![\w.])(?:" + "|".join(map(re.escape, versions)) + r")(?![\w.])",
+        r"\b(?:since|before|after|until|as in|as of) (?:" + "|".join(map(re.escape, series)) + r")\b",
+        r"\b20\d\d-[01]\d-[0-3]\d\b",
+        r"\bissues? #?\d+",
+        r"\b(?:first|second|third|fourth|last|next|previous) (?:H100|H200|MI300X?|GPU) run\b",
+        r"\b(?:H100|H200|MI300X?|GPU) run of\b",
+    ]
+    return [m.group(0) for pattern in patterns for m in re.finditer(pattern, text, re.IGNORECASE)]
+
+
+def test_code_says_what_and_why_not_when():
+    """No bundle version, date, issue number or run history in the bundle's Python, the benchmarks or the configs;
+    a constant chosen by a measurement names the docs/performance.md section it comes from."""
+    versions = set(re.findall(r"^## \[(\d+\.\d+\.\d+)\]", (ROOT / "CHANGELOG.md").read_text(), re.MULTILINE))
+    assert len(versions) > 10
+    found = []
+    for path in sorted([*SCRIPTS.rglob("*.py"), *(ROOT / "benchmarks").rglob("*"), *(ROOT / "configs").glob("*.yaml")]):
+        if path.is_file() and path.suffix in {".py", ".yaml", ".sh"}:
+            for hit in history_in(path.read_text(), versions):
+                found.append(f"{path.relative_to(ROOT)}: {hit!r}")
+    assert not found, "history in code (move it to CHANGELOG.md or docs/performance.md):\n" + "\n".join(found)

@@ -109,7 +109,7 @@ def test_compile_auto_weighs_the_runs_steps_against_the_measured_first_step(capl
     lines = [r.getMessage() for r in caplog.records]
     assert lines[0] == (
         "compile: on (auto: 3048 training steps x 42 ms saved a step = 128 s against a first step 128 s longer; "
-        "compiling pays after 3048 steps, as measured on an NVIDIA H200 (0.11.0, docs/performance.md))"
+        "compiling pays after 3048 steps, as measured on an NVIDIA H200 (docs/performance.md))"
     )
     assert lines[1].startswith("compile: off (auto: 3047 training steps")
     assert lines[2].startswith("compile: off (auto: the device is cpu; compilation was measured to pay on a GPU only")

@@ -238,7 +238,7 @@ def test_cli_prepares_and_reports(small_cases, tmp_path, root):
         [sys.executable, "-m", "scripts.prepare", "--dataset_dir", str(tmp_path / "nowhere"), "--output_dir", str(out)],
         cwd=root, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
-    assert missing.returncode != 0 and "scripts.data.tcia download" in missing.stderr
+    assert missing.returncode != 0 and "scripts.tcia download" in missing.stderr
 
 
 # ---------------------------------------------------------------------------------------------------------------------

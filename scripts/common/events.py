@@ -3,7 +3,8 @@
 ignite re-raises a run's exception by itself only when no handler listens for ``EXCEPTION_RAISED``; once one does, it
 is up to the handlers, and the first that re-raises ends the chain (MONAI's ``StatsHandler`` logs the error and
 re-raises it). :func:`on_exception_first` puts a tidy-up first in that chain, so that it runs whatever comes after,
-and re-raises only where it is the event's only handler, so that the error is neither lost nor raised twice.
+and re-raises only where it is the event's only handler, so that the error is neither lost nor raised twice. ignite
+fires the event at each level of its loop (the epoch's, then the run's), so a tidy-up must be safe to call again.
 """
 
 from __future__ import annotations

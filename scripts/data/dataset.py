@@ -40,7 +40,7 @@ CACHE_MODES = ("none", "memory", "disk", "gpu")
 #: what one cached training voxel costs (CompactForCropd: float16 image + uint8 label), and a case's crop indices
 CACHED_BYTES_PER_VOXEL = 3
 CACHED_INDEX_BYTES = 2 * 100_000 * 4
-#: device memory of a training step, from the first H200 run (0.7.0): the allocator's peak was 17.5 GiB for 4 patches
+#: device memory of a training step, measured on an H200: the allocator's peak was 17.5 GiB for 4 patches
 #: of 96^3 through SwinUNETR f48 under AMP. Activations grow with the patch's voxels and the network's width, so the
 #: rule is a base (weights, AdamW state, cuDNN workspaces) plus this much per 96^3 patch at feature_size 48.
 STEP_BASE_GIB = 2.0
@@ -261,8 +261,8 @@ class RaisingThreadBuffer(ThreadBuffer):
     """MONAI's ``ThreadBuffer`` whose thread hands its error to the loop that reads it.
 
     MONAI's thread dies on an exception and its reader ends as if the data were exhausted: a transform failing on a
-    case gave an empty epoch, and the trainer ran on through every remaining epoch without a step (the H200 run of
-    2026-11-27: 2,002 tracebacks, no training, no error). Here the error is kept and raised in the reader."""
+    case gave an empty epoch, and the trainer ran on through every remaining epoch without a step (thousands of
+    tracebacks, no training, no error). Here the error is kept and raised in the reader."""
 
     def __init__(self, src, buffer_size: int = 1, timeout: float = 0.01) -> None:
         super().__init__(src, buffer_size=buffer_size, timeout=timeout)

@@ -531,9 +531,8 @@ class OpenVinoNetwork(torch.nn.Module):
 #: life of the process unless :meth:`OpenVinoNetwork.release` destroys them. OpenVINO 2026.4 corrupts the heap of a
 #: process that destroys compiled models after a fork (a DataLoader worker) made while two or more were alive: the
 #: next subprocess that process starts dies with SIGSEGV (reproduced in tests/test_backends.py; it killed pytest
-#: workers "without a trace"). So a network dropped by a run is not destroyed (as before 0.11, when a reference cycle
-#: kept every network), and a server that replaces its weights releases the old network, which is destroyed only if
-#: the process has not forked since it was made.
+#: workers "without a trace"). So a network dropped by a run is not destroyed, and a server that replaces its weights
+#: releases the old network, which is destroyed only if the process has not forked since it was made.
 _KEPT: dict[int, tuple] = {}
 _FORKS = [0]  # fork() calls of this process (os.register_at_fork's "before" hook, in the parent)
 

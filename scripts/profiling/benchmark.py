@@ -5,9 +5,9 @@ times ``steps`` iterations and stops the trainer. The timed steps run back to ba
 synchronised only where the timed window starts and ends, and a step's time is the interval between its end and the
 previous step's end on the device's own timeline (CUDA events recorded behind each step; the host clock on a CPU). So
 the host issuing the next step while the device still runs this one counts as it does in training, and a host that
-cannot keep up shows as a longer step. (Before 0.11.2 the device was synchronised around every step: each step then
-began with an empty device, which counted the host's time to issue the first kernels as device idle time;
-``sync_steps`` measures that way still, for a comparison on the same GPU.) For each
+cannot keep up shows as a longer step. (``sync_steps`` synchronises the device around every step instead: each step then
+begins with an empty device, which counts the host's time to issue the first kernels as device idle time -- kept
+for a comparison with such numbers on the same GPU.) For each
 timed step it also records the host's wait for the batch (``GET_BATCH_STARTED`` -> ``GET_BATCH_COMPLETED``). It writes
 ``benchmark.json`` -- ms/step (median, p90), patches/s, the fraction of step time spent waiting for data, peak
 device memory (peak RSS on a CPU), the device report and the switches -- and prints one summary line.
@@ -80,7 +80,7 @@ class StepTimer:
         self.trace = Path(trace) if trace else None  # where the busy steps' chrome trace goes (None: not kept)
         self.trace_written: str | None = None
         self.iteration = iteration  # the trainer's iteration_update, when it reports what it did (summary())
-        self.sync_steps = as_bool(sync_steps, "benchmark_sync_steps")  # each step timed alone (0.11.1's method)
+        self.sync_steps = as_bool(sync_steps, "benchmark_sync_steps")  # each step timed alone, the device synchronised
         self.compile_counters = cache_counters()  # this process's counts before the run: the report gives the run's
         self.wait: list[float] = []
         self.total: list[float] = []
@@ -120,7 +120,7 @@ class StepTimer:
 
     def _back_to_back(self) -> bool:
         """Whether this step runs in the timed window or in the profiled one: no synchronising there (unless
-        ``sync_steps`` asks for 0.11.1's method)."""
+        ``sync_steps`` asks for it)."""
         return self._count >= self.warmup and not self.sync_steps
 
     def _batch_started(self, engine: Engine) -> None:

@@ -5,8 +5,9 @@ training network gets it, ``scripts/training/compilation.py``). MONAI's ``Window
 ``table[index]`` inside the attention. Eagerly that is a small gather (heads x n x n, n = 343 for 7^3 windows) added to
 the logits. Inductor, though, inlines the gather into the softmax kernel: every logit (1,372 windows x 3 heads x 343^2
 = 484 M in the first stage of a 4 x 96^3 step) loads an int64 index and a table entry, behind a bounds assert, and the
-softmax is three looped passes over each row instead of one persistent pass. On the third H200 run the compiled step's
-softmax kernels took 29.8 % of its GPU time, 4x the eager step's. :func:`relative_position_bias` is a custom operator,
+softmax is three looped passes over each row instead of one persistent pass. On an H200 the compiled step's softmax
+kernels took 29.8 % of its GPU time, 4x the eager step's (docs/performance.md, "Where a training step's GPU time
+goes"). :func:`relative_position_bias` is a custom operator,
 opaque to inductor, that makes the bias one contiguous (heads, n, n) tensor; the softmax kernel reads it as it reads
 the logits. Its backward (the gradient summed back into the table) stays in the graph, fused with the sum over windows
 as before. ``python -m benchmarks.inductor_kernels`` prints the kernels inductor writes for both: with the operator,
@@ -22,9 +23,8 @@ relative-position bias (and, in shifted windows, of the mask), a softmax, and th
 ``torch.nn.functional.scaled_dot_product_attention`` only when no gradient is recorded (``use_flash_attention``).
 :class:`FusedWindowAttention` takes it always: the bias and mask go in as the additive ``attn_mask`` (PyTorch then
 picks its memory-efficient kernel on CUDA/ROCm, which computes the gradient of the bias too), dropout as ``dropout_p``
-while training. On the third H200 run it saved 2.8 GiB and no time; on the 2-core CPU of CI it is slower (a training
-step of the demo network, two 64x64x32 patches: median 3.36 and 3.56 s fused against 3.25 and 2.97 s plain in two runs
-of 5 alternated steps), so it stays off by default.
+while training. On an H200 it saved 2.8 GiB and no time (docs/performance.md, "Training throughput"); on a 2-core CPU a
+training step of the demo network is slower with it, so it stays off by default.
 
 Both keep the class's parameters, buffers and state-dict keys (only ``forward`` changes), so weights move between
 them and a plain network both ways; ``tests/test_attention.py`` proves outputs and gradients equal to MONAI's module.

@@ -1,7 +1,7 @@
 """``torch.compile`` of the network's repeated blocks (``compile: true``, ``compile_scope: regional``).
 
 Compiling the whole SwinUNETR gives inductor one large graph of forward and backward to trace, partition and tune:
-on the first H200 run (0.7.0) that was still compiling or running ~196 s after the training step began. A SwinUNETR is
+on an H200 that was still compiling or running ~196 s after the training step began. A SwinUNETR is
 a few block classes repeated: 8 Swin transformer blocks (window attention + MLP), 4 patch mergings and 10 residual
 convolution blocks of the UNETR decoder. :func:`compile_regions` compiles each of those blocks in place
 (``nn.Module.compile``): dynamo traces a block's code once per stage's shape and every instance of that stage reuses
@@ -66,12 +66,12 @@ class CompileCost:
         return math.ceil(1000 * extra_s / (self.eager_ms_per_step - self.compiled_ms_per_step))
 
 
-#: the one measurement ``compile: auto`` decides by: the third H200 run (0.11.0, 2026-11-27; docs/performance.md's
-#: H200 table, files in docs/gpu-runs/2026-11-27-h200-0.11/): SwinUNETR f48, 4 patches of 96^3 a step, fp16, the cache
+#: the one measurement ``compile: auto`` decides by (docs/performance.md, "One NVIDIA H200", "Training throughput"):
+#: SwinUNETR f48, 4 patches of 96^3 a step, fp16, the cache
 #: on the GPU, the defaults' CUDA graphs. A step: eager 151 ms, compiled 109 ms (the rows "eager, fp16 + cuda_graphs"
 #: and "a full training's defaults"); the first step of a fresh process: eager 20.0 s (the cache built, cuDNN's
 #: search), compiled 148.0 s with an empty compile cache (the graphs start after it, at the fourth step)
-MEASURED = CompileCost("an NVIDIA H200 (0.11.0, docs/performance.md)", eager_ms_per_step=151.0,
+MEASURED = CompileCost("an NVIDIA H200 (docs/performance.md)", eager_ms_per_step=151.0,
                        compiled_ms_per_step=109.0, eager_first_step_s=20.0, compiled_first_step_s=148.0)  # fmt: skip
 
 

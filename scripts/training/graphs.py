@@ -1,6 +1,6 @@
 """The training iteration replayed as one CUDA graph (``cuda_graphs: true``; a HIP graph on ROCm, the same API).
 
-Why: on the second H200 run (docs/performance.md) the GPU sat idle 17-19 % of every training step, between the
+Why: on an H200 (docs/performance.md) the GPU sat idle 17-19 % of every training step, between the
 ~2,500 small kernels Python launches one by one; compiling made the kernels faster but not the gaps smaller. A CUDA
 graph records the kernels of one step once and replays all of them with one launch.
 
