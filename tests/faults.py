@@ -10,6 +10,8 @@ DataLoader worker processes, the case-by-case evaluator, the writer's staging fo
 from __future__ import annotations
 
 import errno
+import os
+import signal
 from collections.abc import Callable, Hashable, Mapping
 from pathlib import Path
 from typing import Any
@@ -101,3 +103,45 @@ class OutOfMemoryOnce(FallbackSlidingWindowInferer):
             return network(window, *a, **k)
 
         return super().__call__(inputs, runs_out, *args, **kwargs)
+
+
+def killed() -> None:
+    """``kill -9`` of the run: this process, or from a DataLoader worker the run that started it."""
+    import torch.utils.data
+
+    os.kill(os.getppid() if torch.utils.data.get_worker_info() is not None else os.getpid(), signal.SIGKILL)
+
+
+class KilledReading(FailCased):
+    """The run killed as the case ``case_id`` is read."""
+
+    def __init__(self, case_id: str) -> None:
+        super().__init__(case_id, "read")
+
+    def __call__(self, data: Mapping[Hashable, Any]) -> Mapping[Hashable, Any]:
+        if data.get("case_id") == self.case_id:
+            killed()
+        return data
+
+
+class KilledPredicting(FailingInferer):
+    """The run killed as the network runs on the case whose image came from a path holding ``marker``."""
+
+    def __call__(self, inputs: Any, network: Callable, *args: Any, **kwargs: Any) -> Any:
+        if self.marker in str(getattr(inputs, "meta", {}).get("filename_or_obj", "")):
+            killed()
+        return self.inferer(inputs, network, *args, **kwargs)
+
+
+class SaveCasedKilledFor(SaveCased):
+    """The bundle's writer, the run killed once the case ``kill_case``'s outputs are staged, before they move."""
+
+    def __init__(self, *args: Any, kill_case: str = "", **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.kill_case = kill_case
+
+    def _write(self, d: dict, tensor: Any, case_id: str, folder: Path) -> Any:
+        written = super()._write(d, tensor, case_id, folder)
+        if case_id == self.kill_case:
+            killed()
+        return written

@@ -65,7 +65,10 @@ class InferenceInputError(ValueError):
 
 
 def find_inputs(
-    input_dir: str | Path, report_dir: str | Path | None = None, series_rules: SeriesRules | Mapping | None = None
+    input_dir: str | Path,
+    report_dir: str | Path | None = None,
+    series_rules: SeriesRules | Mapping | None = None,
+    output_dir: str | Path | None = None,
 ) -> list[Case]:
     """Cases under ``input_dir``, each with its ``image``, ``case_id`` and ``source`` (``dicom`` or ``nifti``); a DICOM
     case also carries its ``series_uid`` and ``slice_paths`` (``image`` is the series' folder).
@@ -73,13 +76,14 @@ def find_inputs(
     Every NIfTI file and every DICOM study is a case; each is checked from its headers first, and one that cannot
     work is recorded as failed at the ``check`` stage (with the reason naming the file) and not returned. Top-level
     folders holding neither are listed as skipped. With ``report_dir`` all of it goes to
-    ``<report_dir>/inference_report.json``, which the run completes case by case. Raises
+    ``<report_dir>/inference_report.json``, which the run completes case by case. The run's ``output_dir`` (None:
+    ``report_dir``) is never searched. Raises
     :class:`InferenceInputError` when no case can be run at all.
     """
     root = Path(input_dir)
     if not root.exists():
         raise InferenceInputError(f"--input_dir {root}: no such file or folder.")
-    index = scan(root, progress=False, skip_folder=_not_inputs(report_dir))
+    index = scan(root, progress=False, skip_folder=_not_inputs(report_dir if output_dir is None else output_dir))
     dicom, failed = index.inference_cases(series_rules)
     cases = [{**c, "source": "dicom", "source_path": c["image"]} for c in dicom]
     taken = {c["case_id"] for c in cases + failed}

@@ -53,6 +53,7 @@ from scripts.common.files import display_name, save_nifti
 from scripts.common.geometry import bounding_box, voxel_volume_ml
 from scripts.data.dicom import CtSeries, SeriesSource, SliceMap, read_ct_series, scan_ct_series
 from scripts.data.dicom.identity import algorithm_identification, bundle_version
+from scripts.inference.cohort import write_run_record
 from scripts.inference.figures import png_bytes, render_planes
 from scripts.inference.inputs import slice_map_of
 from scripts.inference.records import REPORT, merged_items, read_run_report, write_run_report
@@ -100,8 +101,12 @@ class SaveCased(MapTransform):
         plausible: Mapping[str, float] | None = None,
         inferer: Any = None,
         workers: int | None = None,
+        outputs_key: Mapping | None = None,
     ) -> None:
         super().__init__(keys, allow_missing_keys)
+        # a cohort's (scripts.inference.cohort.outputs_key): each case's folder gets its run record, the key by which
+        # a later run knows it done, and report.csv is the cohort's merge's to write
+        self.outputs_key = outputs_key
         self.enabled = enabled
         self.output_dir = Path(output_dir)
         self.labels = list(labels)
@@ -137,6 +142,9 @@ class SaveCased(MapTransform):
             outputs = {}
             for key in self.key_iterator(d):
                 outputs[key] = self._write(d, d[key], case_id, staging)
+            if self.outputs_key is not None:  # last into the folder: present only with every output beside it
+                written = {kind: path for files, _, _ in outputs.values() for kind, path in files.items()}
+                write_run_record(staging, case_id, self.outputs_key, written)
             with _timed(self.last_seconds, "move"):
                 _move_into_place(staging, self.output_dir / case_id)
         except Exception as err:
@@ -147,7 +155,7 @@ class SaveCased(MapTransform):
         for key, (files, report, flags) in outputs.items():
             d[f"{key}_files"] = {kind: str(final / Path(path).name) for kind, path in files.items()}
             d[f"{key}_flags"] = [flag["finding"] for flag in flags]
-            if report is not None:
+            if report is not None and self.outputs_key is None:
                 write_report_csv(self.output_dir / "report.csv", report_rows(case_id, report))
         return d
 
@@ -381,8 +389,11 @@ class InferenceSummary:
     """Evaluator handler: each case's outcome into ``inference_report.json``, and one line at the end (cases done
     and failed, seconds per case, output folder)."""
 
-    def __init__(self, output_dir: str | Path, models: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self, output_dir: str | Path, models: Mapping[str, str] | None = None, report_dir: str | Path | None = None
+    ) -> None:
         self.output_dir = Path(output_dir)
+        self.report_dir = Path(report_dir) if report_dir is not None else self.output_dir  # a cohort's part's own
         self.models = dict(models) if models else None
         self.report: dict = {}
         self._start = self._case_start = 0.0
@@ -394,7 +405,7 @@ class InferenceSummary:
         engine.add_event_handler(Events.COMPLETED, self._completed)
 
     def _started(self, engine: Engine) -> None:
-        self.report = read_run_report(self.output_dir)
+        self.report = read_run_report(self.report_dir)
         if self.models:
             self.report["models"] = self.models
         self._start = time.perf_counter()
@@ -421,7 +432,7 @@ class InferenceSummary:
         for failure in getattr(engine, "failures", [])[len(self._failed()) :]:
             self._update(failure.get("case_id", "?"), status="failed", stage=failure["stage"],
                          reason=failure["reason"], seconds=seconds)  # fmt: skip
-        write_run_report(self.output_dir, self.report)
+        write_run_report(self.report_dir, self.report)
 
     def _failed(self) -> list[dict]:
         return [c for c in self.report["cases"] if c.get("status") == "failed" and c.get("stage") != "check"]
@@ -443,7 +454,7 @@ class InferenceSummary:
         flagged = [str(c.get("case_id")) for c in done if c.get("flags")]
         self.report.update(num_done=len(done), num_failed=len(failed), num_skipped=len(self.report["skipped"]),
                            num_flagged=len(flagged))  # fmt: skip
-        write_run_report(self.output_dir, self.report)
+        write_run_report(self.report_dir, self.report)
         per_case = total / max(len(done) + len(failed), 1)
         names = ", ".join(flagged[:10]) + (", ..." if len(flagged) > 10 else "")
         print(

@@ -197,13 +197,13 @@ def _cell(value: object) -> object:
     return f"{value:.6g}" if isinstance(value, float) else value
 
 
-def write_report_csv(path: str | Path, rows: list[dict]) -> Path:
+def write_report_csv(path: str | Path, rows: list[dict], replace: bool = False) -> Path:
     """``report.csv`` with ``rows`` (from :func:`report_rows`) replacing any earlier rows of the same cases, so a
-    case inferred again is listed once; written atomically."""
+    case inferred again is listed once (``replace``: replacing every earlier row); written atomically."""
     path = Path(path)
     cases = {str(row["case"]) for row in rows}
     kept = []
-    if path.is_file():
+    if path.is_file() and not replace:
         with path.open(newline="") as handle:
             kept = [row for row in csv.DictReader(handle) if row.get("case") not in cases]
     buffer = io.StringIO()
