@@ -15,7 +15,7 @@ CT. The pixel data are sparse zeros (``truncate``), so the tree needs ~1 GB of d
 reads them, so its work is the same. Each scan runs in a fresh child process (its own imports and memory)::
 
     python -m benchmarks.bench_discovery [--patients 422] [--slices 120] [--output_dir DIR] [--keep false]
-                                         [--json_out FILE]
+                                         [--json_out FILE] [--finder prepare|inference]
 
 The page cache is warm after writing (and after the first scan); ``--drop_caches true`` asks the kernel to drop it
 before the first scan (needs root), as on a freshly mounted disk.
@@ -50,8 +50,11 @@ def main(
     keep: bool | str = False,
     drop_caches: bool | str = False,
     json_out: str | None = None,
+    finder: str = "prepare",
 ) -> dict[str, Any]:
-    """Write the tree (kept between runs in ``output_dir``), scan it twice in child processes, print the table."""
+    """Write the tree (kept between runs in ``output_dir``), scan it twice in child processes, print the table.
+    ``finder``: ``prepare`` (its ``find_cases``) or ``inference`` (``find_inputs``, as each part of a cohort runs it:
+    the inference cases, each checked from its headers)."""
     from scripts.common.config import as_bool
 
     folder = Path(output_dir) if output_dir else Path(tempfile.mkdtemp(prefix="bench_discovery_"))
@@ -63,10 +66,12 @@ def main(
         shutil.rmtree(out, ignore_errors=True)
         if as_bool(drop_caches, "drop_caches"):
             _drop_caches()
-        first = _child(tree, out)
-        second = _child(tree, out)
+        first = _child(tree, out, finder)
+        second = _child(tree, out, finder)
+        for scan in (first, second):
+            scan.setdefault("files_per_s", round(files / scan["total_s"]))
         report = {"patients": int(patients), "slices": int(slices), "files": files, "write_s": round(written_s, 1),
-                  "tree_bytes": _tree_bytes(tree), "first": first, "second": second}  # fmt: skip
+                  "tree_bytes": _tree_bytes(tree), "finder": finder, "first": first, "second": second}  # fmt: skip
         print(format_report(report))
         if json_out:
             Path(json_out).write_text(json.dumps(report, indent=2))
@@ -76,10 +81,19 @@ def main(
             shutil.rmtree(folder, ignore_errors=True)
 
 
-def child(tree: str, out: str) -> None:
-    """One scan, as prepare runs it: print its timings as JSON (run by :func:`_child` in a fresh process)."""
+def child(tree: str, out: str, finder: str = "prepare") -> None:
+    """One scan, as prepare (or inference) runs it: print its timings as JSON (run by :func:`_child` in a fresh
+    process)."""
     from scripts.data.prepare import find_cases
 
+    if finder == "inference":
+        from scripts.inference.inputs import find_inputs
+
+        start = time.perf_counter()
+        cases = find_inputs(tree, out, None, out)
+        total = round(time.perf_counter() - start, 2)
+        print(json.dumps({"total_s": total, "cases": len(cases), "peak_rss_mb": _peak_rss_mb()}))
+        return
     start = time.perf_counter()
     found = find_cases(tree, output_dir=out, progress=False)
     total = time.perf_counter() - start
@@ -98,8 +112,8 @@ def child(tree: str, out: str) -> None:
     print(json.dumps(result))
 
 
-def _child(tree: Path, out: Path) -> dict:
-    command = [sys.executable, "-m", "benchmarks.bench_discovery", "child", str(tree), str(out)]
+def _child(tree: Path, out: Path, finder: str = "prepare") -> dict:
+    command = [sys.executable, "-m", "benchmarks.bench_discovery", "child", str(tree), str(out), finder]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=False)
     if result.returncode:
         raise RuntimeError(f"the scan failed:\n{result.stderr[-3000:]}")
@@ -234,12 +248,11 @@ def format_report(report: dict) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name in ("first", "second"):
-        r = report[name]
-        lines.append(
-            f"| {name} | {r['total_s']:.1f} | {r['files_per_s']} | {r['headers_read']} | {r['list_s']:.1f} | "
-            f"{r['cache_read_s']:.1f} | {r['headers_s']:.1f} | {r['cache_write_s']:.1f} | {r['group_s']:.1f} | "
-            f"{r['cases_s']:.1f} | {r['cases']} | {r['peak_rss_mb']} |"
-        )
+        r = {"headers_read": "-", **report[name]}  # inference's finder reports its total only
+        parts = [f"{r[k]:.1f}" if k in r else "-" for k in ("list_s", "cache_read_s", "headers_s", "cache_write_s",
+                                                             "group_s", "cases_s")]  # fmt: skip
+        lines.append(f"| {name} | {r['total_s']:.1f} | {r['files_per_s']} | {r['headers_read']} | {' | '.join(parts)} "
+                     f"| {r['cases']} | {r['peak_rss_mb']} |")  # fmt: skip
     return "\n".join(lines)
 
 

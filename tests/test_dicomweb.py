@@ -15,14 +15,16 @@ in the middle, or a refusal.
 Synthetic studies (``scripts.data.synthetic``, 64x64 pixels) are uploaded by STOW-RS once; the bundle's inference
 workflow runs twice (the demo-sized network with random weights): by StudyInstanceUIDs with basic authentication, then
 by a QIDO-RS query (modality CT, a date range) with a bearer token. The results are found again by QIDO-RS in the same
-studies and read back with highdicom. Without Orthanc, its plugin or openssl the server tests are skipped with the
-reason; ``.ci/run`` installs them.
+studies and read back with highdicom. The query runs once more as a cohort in two parts into one folder, each part
+taking its studies by their instances, and a part run again finds its cases done earlier. Without Orthanc, its plugin
+or openssl the server tests are skipped with the reason; ``.ci/run`` installs them.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import csv
 import glob
 import json
 import logging
@@ -525,8 +527,8 @@ def weights(tmp_path_factory) -> Path:
 
 def infer(*args: str, tmp: Path, env: dict) -> tuple[subprocess.CompletedProcess, dict, Path]:
     """The bundle's inference from DICOMweb (MONAI's CLI, from a folder outside the bundle), its report, and the
-    temporary folder it used."""
-    (tmp / "tmp").mkdir(parents=True)
+    temporary folder it used (runs given the same ``tmp`` share it: a cohort's parts into one output folder)."""
+    (tmp / "tmp").mkdir(parents=True, exist_ok=True)
     with pytest.MonkeyPatch.context() as patch:
         for key, value in {**env, "TMPDIR": str(tmp / "tmp")}.items():
             patch.setenv(key, value)
@@ -661,3 +663,57 @@ def test_the_token_is_used_and_never_written_to_a_log_or_a_report(by_query, toke
     for path in (tmp / "out").rglob("*"):
         if path.is_file():
             assert TOKEN.encode() not in path.read_bytes(), path
+
+
+@needs_orthanc
+def test_a_pacs_query_in_two_parts_splits_its_studies_by_instances_and_a_part_run_again_infers_nothing(
+    gateway, certificate, studies, weights, tmp_path
+):
+    """The workflow's query (A to E, not storing) in parts 0 and 1 of 2, one after the other into one folder: each
+    part finds the studies itself and takes its share, weighed by the chosen series' instances (B's 40 against A's
+    and D's 24 + 24: part 0 B and E, part 1 A, D and C, which fails its check and weighs one). Part 0 run again
+    infers nothing: its cases are done earlier."""
+    query = "{'ModalitiesInStudy': 'CT', 'StudyDate': '" + RUN_DATE + "'}"
+    names = {n: f"PAT-{n}_{RUN_DATE}" for n in "ABCDE"}
+    expected = {"0-of-2": {names["B"], names["E"]}, "1-of-2": {names["A"], names["C"], names["D"]}}
+
+    def part(k: int) -> tuple[subprocess.CompletedProcess, dict, Path]:
+        return infer("--dicomweb_url", gateway.url, "--dicomweb_query", query, "--dicomweb_auth", "basic",
+                     "--dicomweb_user", USER, "--dicomweb_ca_bundle", certificate["cert"], "--model_path",
+                     str(weights), "--num_parts", "2", "--part_id", str(k), tmp=tmp_path,
+                     env={"DICOMWEB_PASSWORD": PASSWORD})  # fmt: skip
+
+    first, second = part(0), part(1)
+    out = tmp_path / "out"
+    for k, (result, _, _) in enumerate((first, second)):
+        log, mine = result.stdout + result.stderr, len(expected[f"{k}-of-2"])
+        line = f"part {k} of 2: {mine} case(s) of 5; 0 done earlier with the same weights and settings, 2 to infer"
+        assert line in log, log[-4000:]
+    assert first[0].returncode == 0, first[0].stderr[-4000:]
+    assert second[0].returncode == 1 and "1 case(s) failed" in second[0].stderr, "C's failed check is part 1's"
+    parts = {name: json.loads((out / ".parts" / name / "inference_report.json").read_text()) for name in expected}
+    found = {name: {c["case_id"] for c in report["cases"]} for name, report in parts.items()}
+    assert found == expected, f"every study found in one part, the parts balanced by instances: {found}"
+    assert {c["study_uid"] for r in parts.values() for c in r["cases"]} == {studies[n]["study"] for n in "ABCDE"}
+    merged = second[1]
+    cases = cases_of(merged)
+    assert [c["case_id"] for c in merged["cases"]] == sorted(names.values()), "each study's case once"
+    for name, ids in expected.items():
+        assert all(cases[i]["part"] == name for i in ids)
+    done = {i for i, c in cases.items() if c["status"] == "done"}
+    assert done == {names[n] for n in "ABDE"} and merged["num_done"] == 4 and merged["num_failed"] == 1
+    assert cases[names["C"]]["stage"] == "check" and "no usable CT series" in cases[names["C"]]["reason"]
+    assert set(merged["parts"]) == set(expected) and all(p["ended"] for p in merged["parts"].values())
+    assert sorted(r["case"] for r in csv.DictReader((out / "report.csv").open())) == sorted(done)
+    assert all((out / i / f"{i}_seg.nii.gz").is_file() for i in done)
+    assert not list((tmp_path / "tmp").iterdir()), "every retrieved series was removed"
+
+    again, merged, _ = part(0)
+    log = again.stdout + again.stderr
+    assert again.returncode == 0, again.stderr[-4000:]
+    assert "part 0 of 2: 2 case(s) of 5; 2 done earlier with the same weights and settings, 0 to infer" in log, log
+    assert "no case to infer in 0-of-2" in log and not list((tmp_path / "tmp").iterdir()), "nothing retrieved"
+    cases = cases_of(merged)
+    assert merged["num_done"] == 4 and merged["num_done_earlier"] == 2
+    assert all(cases[i]["earlier"] and cases[i]["part"] == "0-of-2" for i in expected["0-of-2"])
+    assert len(list(csv.DictReader((out / "report.csv").open()))) == 4, "the earlier cases keep their rows"

@@ -6,6 +6,7 @@ folders under a temporary folder, all daemons stopped at the end whatever happen
 GPUs (``SlurmdParameters=config_overrides``; the GPUs are /dev/null) so that the launchers' ``#SBATCH`` lines are
 accepted as written and both jobs fit at once. The jobs ask for fewer GPUs on the command line, which sets the number
 of processes per node, and train a small network on CPUs (gloo) on five tiny synthetic cases for one or two epochs.
+The inference array (two tasks, one GPU each as written) runs the demo's weights on four small synthetic CTs.
 
 Skipped, with the reason, where slurmctld/slurmd/munged are not installed (Debian: slurmctld slurmd slurm-client
 munge). The daemons run as the user running the tests (SlurmUser = SlurmdUser = that user; also tried as an
@@ -15,6 +16,8 @@ ordinary user with a one-line job), so root is not needed.
 from __future__ import annotations
 
 import contextlib
+import csv
+import json
 import os
 import pwd
 import re
@@ -272,10 +275,14 @@ def dataset(cluster) -> Path:
     return cluster.base / "data"
 
 
-def submit(cluster: LocalCluster, script: str, sbatch_args: list[str], env: dict[str, str], overrides: list[str]):
-    """``sbatch`` from the bundle root, as a user types it; returns the job id and its log file."""
+def submit(
+    cluster: LocalCluster, script: str, sbatch_args: list[str], env: dict[str, str], overrides: list[str],
+    log: Path | None = None,
+) -> tuple[str, Path]:  # fmt: skip
+    """``sbatch`` from the bundle root, as a user types it; returns the job id and its log file (``log``: its name or
+    pattern, e.g. ``slurm-%x-%A_%a.out``; default: the script's name ``.out``, in the cluster's folder)."""
     name = Path(script).stem
-    log = cluster.base / f"{name}.out"
+    log = log or cluster.base / f"{name}.out"
     command = ["sbatch", "--parsable", f"--output={log}", *sbatch_args, f"scripts/slurm/{script}", *overrides]
     result = cluster.cli(*command, cwd=ROOT, env={**cluster.env, **env})
     return result.stdout.strip().split(";")[0], log
@@ -369,3 +376,82 @@ def test_two_node_job_meets_at_rendezvous_and_completes(cluster, two_node_job):
     for rank in (0, 1):
         assert f"process group: rank {rank} of 2" in text, f"rank {rank} missing from the log"
     assert (out / "checkpoints" / "latest.pt").is_file(), "the epoch was trained and checkpointed"
+
+
+COHORT = ("LUNG1-001", "LUNG1-002", "LUNG1-003", "LUNG1-004")  # two CTs of 24 slices, then two of 48
+# kill -9 of the run as the network runs on a case, in a task's first run only (a requeued run has SLURM_RESTART_COUNT)
+KILL_ONCE = """\
+evaluator#inferer:
+  _target_: faults.KilledPredicting
+  inferer: "@sliding_window_inferer"
+  marker: "$'{case}' if os.environ.get('SLURM_RESTART_COUNT', '0') == '0' else '(none: a requeued run)'"
+"""
+
+
+def progress(part: int, done: int, total: int) -> re.Pattern:
+    """The line a part logs as each case ends, in its task's output file."""
+    return re.compile(rf"part {part} of 2: {done}/{total} cases \(0 failed\), [\d.]+ s per case, about .*\d s left")
+
+
+def test_inference_array_task_killed_then_requeued_resumes_and_one_report_holds_each_case_once(cluster, demo_run):
+    """``sbatch --array=0-1`` of infer_array.sbatch on four CTs: tasks 0 and 1 run parts 0 and 1 of 2 side by side.
+    Task 1's python is killed (kill -9, a fault of its first run only) as the network runs on its second case: the task
+    fails, ``scontrol requeue`` runs it again, and its second run takes the case the first finished as done earlier,
+    infers the other and merges: the cohort's report holds every case once, done, each in its part."""
+    from scripts.data.synthetic import write_case
+    from scripts.inference.cohort import split
+
+    base = cluster.base / "cohort"
+    inputs, out = base / "in", base / "out"
+    slices = {case: 24 * (1 + k // 2) for k, case in enumerate(COHORT)}
+    for k, case in enumerate(COHORT):
+        write_case(inputs / case, case, 91 + k, (96, 96, slices[case]), (1.0, 1.0), tumour_hu=400)
+    parts = split(slices, 2)  # what each task computes: a small and a large CT each
+    finished, killed = [case for case in COHORT if parts[case] == 1]  # task 1's cases, in the order it infers them
+    fault = base / "kill_once.yaml"
+    fault.write_text(KILL_ONCE.format(case=killed))
+    # the submitting shell: the venv's bin first on PATH; tests/ on PYTHONPATH for the fault; one thread per task
+    env = {"PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]]), "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT)])}  # fmt: skip
+    config = str(["configs/inference.yaml", "configs/demo.yaml", str(fault)])
+    overrides = ["--config_file", config, "--model_path", str(demo_run[0] / "run" / "model.pt")]
+    sbatch = ["--array=0-1", f"--export=ALL,INPUT_DIR={inputs},OUTPUT_DIR={out}"]
+    # the script's own file names (one per task, appended to by each run), in the cluster's folder
+    job, _ = submit(cluster, "infer_array.sbatch", sbatch, env, overrides, log=cluster.base / "slurm-%x-%A_%a.out")
+    tasks = [f"{job}_{k}" for k in (0, 1)]
+    logs = [cluster.base / f"slurm-nsclc-infer-{task}.out" for task in tasks]
+
+    ended = cluster.wait_job(tasks[1], logs[1], lambda s: s["JobState"] in ("FAILED", "COMPLETED"), "its end")
+    assert ended["JobState"] == "FAILED", f"the fault killed task 1's first run: {times(ended)}\n{tail(logs[1])}"
+    assert (out / finished / f"{finished}_run.json").is_file(), f"{finished} was done before the kill"
+    assert not (out / killed).exists(), f"{killed} was not"
+    cluster.cli("scontrol", "requeue", tasks[1])
+    final = [cluster.wait_job(task, log, lambda s: s["JobState"] == "COMPLETED", "COMPLETED")
+             for task, log in zip(tasks, logs)]  # fmt: skip
+    for task, state in zip(tasks, final):
+        print(f"\ntask {task}: {cluster.transitions(task)}\n  {times(state)} Start={state['StartTime']} "
+              f"End={state['EndTime']}")  # fmt: skip
+    assert [(s["Restarts"], s["ExitCode"]) for s in final] == [("0", "0:0"), ("1", "0:0")], [times(s) for s in final]
+
+    text = [log.read_text() for log in logs]
+    first, _, second = text[1].partition(f"slurm: array job {job} task 1 run 2 ")
+    assert second, f"task 1's log holds no second run:\n{text[1][-3000:]}"
+    assert f"slurm: array job {job} task 1 run 1 " in first and "part 1 of 2, " in first
+    assert re.search(r"\d+ Killed .*python -m monai.bundle run inference", first), "kill -9 of its python"
+    assert "part 1 of 2: 2 case(s) of 4; 0 done earlier" in first
+    assert progress(1, 1, 2).search(first) and not progress(1, 2, 2).search(first), "killed in its second case"
+    assert "part 1 of 2: 2 case(s) of 4; 1 done earlier with the same weights and settings, 1 to infer" in second
+    assert progress(1, 1, 1).search(second), f"the requeued run inferred the other case:\n{second[-3000:]}"
+    assert "part 0 of 2: 2 case(s) of 4; 0 done earlier" in text[0] and " run 2 " not in text[0]
+    assert progress(0, 1, 2).search(text[0]) and progress(0, 2, 2).search(text[0]), text[0][-3000:]
+
+    merged = json.loads((out / "inference_report.json").read_text())
+    cases = merged["cases"]
+    assert [c["case_id"] for c in cases] == list(COHORT) and merged["num_done"] == 4, cases
+    assert {c["case_id"]: (c["status"], c["part"]) for c in cases} == {c: ("done", f"{parts[c]}-of-2") for c in COHORT}
+    assert [c["case_id"] for c in cases if c.get("earlier")] == [finished], "the requeued run did it once only"
+    assert merged["num_parts"] == 2 and set(merged["parts"]) == {"0-of-2", "1-of-2"}, merged["parts"]
+    assert all(p["ended"] for p in merged["parts"].values()) and merged["parts"]["1-of-2"]["inferred"] == 1
+    rows = list(csv.DictReader((out / "report.csv").open()))
+    assert sorted(r["case"] for r in rows) == list(COHORT), "one row per case (one GTV each)"
+    assert not [p.name for p in out.iterdir() if p.name.startswith((".partial-", ".old-"))], "the kill's leftovers"

@@ -53,14 +53,13 @@ from scripts.common.files import display_name, save_nifti, write_json
 from scripts.common.geometry import voxel_volume_ml
 from scripts.common.labels import COLLECTION, check_labels
 from scripts.data.dicom import LABEL_SOURCES, DicomCaseError, read_case
-from scripts.data.dicom.discovery import DiscoveryError, scan
+from scripts.data.dicom.discovery import INDEX, DiscoveryError, scan
 from tqdm import tqdm
 
 logger = logging.getLogger(__name__)
 
 DATALIST = "datalist.json"
 REPORT = "prepare_report.json"
-INDEX = "dicom_index.json"  # the headers discovery read, reused by the next run
 USUAL_ORIENTATION = "LPS"  # NIfTI axis codes of an axial CT with ImageOrientationPatient [1,0,0,0,1,0], head up
 CASES_PER_WORKER = 8
 

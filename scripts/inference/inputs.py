@@ -34,7 +34,7 @@ from scripts.common.cpus import usable_cpus
 from scripts.common.files import check_case_name, display_name, unique_name
 from scripts.data.dicom import DicomCaseError, read_ct_series, scan_ct_series
 from scripts.data.dicom.ct import SeriesSource, SliceMap
-from scripts.data.dicom.discovery import DicomIndex, damaged_slice, scan
+from scripts.data.dicom.discovery import INDEX, DicomIndex, damaged_slice, scan
 from scripts.data.dicom.series_rules import PREFERENCE, SeriesRules
 from scripts.inference.records import REPORT, Case, Skipped, as_failed, write_run_report
 
@@ -77,13 +77,16 @@ def find_inputs(
     work is recorded as failed at the ``check`` stage (with the reason naming the file) and not returned. Top-level
     folders holding neither are listed as skipped. With ``report_dir`` all of it goes to
     ``<report_dir>/inference_report.json``, which the run completes case by case. The run's ``output_dir`` (None:
-    ``report_dir``) is never searched. Raises
+    ``report_dir``) is never searched, and keeps the headers read in ``dicom_index.json`` for the next run. Raises
     :class:`InferenceInputError` when no case can be run at all.
     """
     root = Path(input_dir)
     if not root.exists():
         raise InferenceInputError(f"--input_dir {root}: no such file or folder.")
-    index = scan(root, progress=False, skip_folder=_not_inputs(report_dir if output_dir is None else output_dir))
+    outputs = report_dir if output_dir is None else output_dir
+    # what the scan read, kept in the output folder: the next run, and every part of a cohort, reads only new files
+    cache = None if outputs is None else Path(outputs) / INDEX
+    index = scan(root, cache, progress=False, skip_folder=_not_inputs(outputs))
     dicom, failed = index.inference_cases(series_rules)
     cases = [{**c, "source": "dicom", "source_path": c["image"]} for c in dicom]
     taken = {c["case_id"] for c in cases + failed}
@@ -103,7 +106,7 @@ def find_inputs(
             reason = str(err) if isinstance(err, (DicomCaseError, InferenceInputError)) else root_message(err)
             reason = reason if case["image"] in reason else f"{display_name(case['image'])}: {reason}"
             failures.append(as_failed(case, "check", reason))
-    skipped = _skipped_folders(root, index)
+    skipped = _skipped_folders(root, index, outputs)
     for entry in failures:
         logger.error("failed: %s", entry["reason"])
     for entry in skipped:
@@ -129,17 +132,19 @@ def find_inputs(
     return runnable
 
 
-def _skipped_folders(root: Path, index: DicomIndex) -> list[Skipped]:
+def _skipped_folders(root: Path, index: DicomIndex, outputs: str | Path | None = None) -> list[Skipped]:
     """The folders not read (an earlier run's outputs, this run's, a top-level link to a folder read already), with
-    why, and the other top-level folders of ``root`` that hold no CT image and no NIfTI file."""
+    why, and the other top-level folders of ``root`` that hold no CT image and no NIfTI file (not ``outputs``, made
+    by the scan's own index when it lies inside ``root``)."""
     if not root.is_dir():
         return []
+    ours = None if outputs is None else Path(outputs).resolve()
     found = {Path(rel).parts[0] for rel, h in index.headers.items() if h["kind"] == "ct" or _is_nifti(Path(rel))}
     why = {rel: f"{why}." for rel, why in index.folders_skipped.items()}
     for rel, first in index.links_again.items():  # a link at the top, where a user looks; deeper ones are clutter
         if len(Path(rel).parts) == 1:
             why[rel] = f"the same folder as {display_name(str(root / first))}, reached again through a link: read once."
-    for child in (p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):
+    for child in (p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".") and p.resolve() != ours):
         if child.name not in found and not any(Path(rel).parts[:1] == (child.name,) for rel in why):
             why[child.name] = "no CT series (DICOM) or NIfTI."
     named = {rel: display_name(str(root / rel)) for rel in why}

@@ -455,11 +455,13 @@ class InferenceSummary:
         self.report.update(num_done=len(done), num_failed=len(failed), num_skipped=len(self.report["skipped"]),
                            num_flagged=len(flagged))  # fmt: skip
         write_run_report(self.report_dir, self.report)
-        per_case = total / max(len(done) + len(failed), 1)
+        ran = [c for c in done if not c.get("earlier")]  # a cohort's cases done by an earlier run are not this one's
+        per_case = total / max(len(ran) + len(failed), 1)
         names = ", ".join(flagged[:10]) + (", ..." if len(flagged) > 10 else "")
+        earlier = f", {len(done) - len(ran)} done earlier" if len(done) > len(ran) else ""
         print(
-            f"inferred {len(done)} case(s) in {total:.1f} s ({per_case:.1f} s per case, loading included) "
-            f"-> {self.output_dir}; failed {len(failed)}, skipped {len(self.report['skipped'])} (see {REPORT})"
+            f"inferred {len(ran)} case(s) in {total:.1f} s ({per_case:.1f} s per case, loading included) "
+            f"-> {self.output_dir}{earlier}; failed {len(failed)}, skipped {len(self.report['skipped'])} (see {REPORT})"
             + (f"; {len(flagged)} flagged as implausible, written all the same: {names}" if flagged else "")
         )
 

@@ -64,6 +64,7 @@ from tqdm import tqdm
 logger = logging.getLogger(__name__)
 
 #: bump when what a header record holds changes: older caches are then read again
+INDEX = "dicom_index.json"  # the headers a scan read, in its output folder, reused by the next run (cache_file)
 INDEX_VERSION = 2  # records with a CT image's GantryDetectorTilt, another object's study, series and modality
 #: the only tags read from each file (pydicom skips the rest of the header; pixel data is never read)
 HEADER_TAGS = (
