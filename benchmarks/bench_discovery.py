@@ -15,7 +15,7 @@ CT. The pixel data are sparse zeros (``truncate``), so the tree needs ~1 GB of d
 reads them, so its work is the same. Each scan runs in a fresh child process (its own imports and memory)::
 
     python -m benchmarks.bench_discovery [--patients 422] [--slices 120] [--output_dir DIR] [--keep false]
-                                         [--json_out FILE] [--finder prepare|inference]
+                                         [--json_out FILE] [--finder prepare|inference] [--parts N]
 
 The page cache is warm after writing (and after the first scan); ``--drop_caches true`` asks the kernel to drop it
 before the first scan (needs root), as on a freshly mounted disk.
@@ -51,10 +51,11 @@ def main(
     drop_caches: bool | str = False,
     json_out: str | None = None,
     finder: str = "prepare",
+    parts: int = 1,
 ) -> dict[str, Any]:
     """Write the tree (kept between runs in ``output_dir``), scan it twice in child processes, print the table.
     ``finder``: ``prepare`` (its ``find_cases``) or ``inference`` (``find_inputs``, as each part of a cohort runs it:
-    the inference cases, each checked from its headers)."""
+    the inference cases, each checked from its headers; of ``parts``, the first part's share)."""
     from scripts.common.config import as_bool
 
     folder = Path(output_dir) if output_dir else Path(tempfile.mkdtemp(prefix="bench_discovery_"))
@@ -66,12 +67,13 @@ def main(
         shutil.rmtree(out, ignore_errors=True)
         if as_bool(drop_caches, "drop_caches"):
             _drop_caches()
-        first = _child(tree, out, finder)
-        second = _child(tree, out, finder)
+        first = _child(tree, out, finder, parts)
+        second = _child(tree, out, finder, parts)
         for scan in (first, second):
             scan.setdefault("files_per_s", round(files / scan["total_s"]))
         report = {"patients": int(patients), "slices": int(slices), "files": files, "write_s": round(written_s, 1),
-                  "tree_bytes": _tree_bytes(tree), "finder": finder, "first": first, "second": second}  # fmt: skip
+                  "tree_bytes": _tree_bytes(tree), "finder": finder, "parts": int(parts), "first": first,
+                  "second": second}  # fmt: skip
         print(format_report(report))
         if json_out:
             Path(json_out).write_text(json.dumps(report, indent=2))
@@ -81,16 +83,17 @@ def main(
             shutil.rmtree(folder, ignore_errors=True)
 
 
-def child(tree: str, out: str, finder: str = "prepare") -> None:
+def child(tree: str, out: str, finder: str = "prepare", parts: int = 1) -> None:
     """One scan, as prepare (or inference) runs it: print its timings as JSON (run by :func:`_child` in a fresh
     process)."""
     from scripts.data.prepare import find_cases
 
     if finder == "inference":
+        from scripts.inference.cohort import Part
         from scripts.inference.inputs import find_inputs
 
         start = time.perf_counter()
-        cases = find_inputs(tree, out, None, out)
+        cases = find_inputs(tree, out, None, out, Part(0, int(parts)))
         total = round(time.perf_counter() - start, 2)
         print(json.dumps({"total_s": total, "cases": len(cases), "peak_rss_mb": _peak_rss_mb()}))
         return
@@ -112,8 +115,8 @@ def child(tree: str, out: str, finder: str = "prepare") -> None:
     print(json.dumps(result))
 
 
-def _child(tree: Path, out: Path, finder: str = "prepare") -> dict:
-    command = [sys.executable, "-m", "benchmarks.bench_discovery", "child", str(tree), str(out), finder]
+def _child(tree: Path, out: Path, finder: str = "prepare", parts: int = 1) -> dict:
+    command = [sys.executable, "-m", "benchmarks.bench_discovery", "child", str(tree), str(out), finder, str(parts)]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=False)
     if result.returncode:
         raise RuntimeError(f"the scan failed:\n{result.stderr[-3000:]}")

@@ -49,7 +49,7 @@ RUN_RECORD = "_run.json"  # <case><RUN_RECORD>: what made the case's outputs, th
 #: what a part's report holds of its own; the rest (the input, the series rules, the models, the outputs key, the
 #: files skipped) is the same in every part and goes into the cohort's report as it is
 PER_PART = ("part", "host", "started", "ended", "cases", "skipped", "num_done", "num_failed", "num_skipped",
-            "num_flagged")  # fmt: skip
+            "num_flagged", "split")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -188,8 +188,10 @@ def take_part(
     found = read_run_report(folder)
     runnable = {c["case_id"]: c for c in cases}
     records = {r["case_id"]: r for r in found.get("cases", [])}
-    sizes = {case_id: case_size(runnable.get(case_id, {})) for case_id in records}
-    assigned = split(sizes, part.count)
+    if found.get("split") == part.name:  # the finder split the cases already, and reported this part's alone
+        assigned = dict.fromkeys(records, part.index)
+    else:
+        assigned = split({case_id: case_size(runnable.get(case_id, {})) for case_id in records}, part.count)
     mine, todo, earlier = [], [], 0
     for case_id in records:  # in the order found
         if assigned[case_id] != part.index:
@@ -209,7 +211,7 @@ def take_part(
     found.pop("ended", None)
     write_run_report(folder, found)
     logger.info("%s: %d case(s) of %d; %d done earlier with the same weights and settings, %d to infer", part,
-                len(mine), len(records), earlier, len(todo))  # fmt: skip
+                len(mine), found.get("cases_found", len(records)), earlier, len(todo))  # fmt: skip
     return todo
 
 

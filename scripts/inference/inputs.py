@@ -36,6 +36,7 @@ from scripts.data.dicom import DicomCaseError, read_ct_series, scan_ct_series
 from scripts.data.dicom.ct import SeriesSource, SliceMap
 from scripts.data.dicom.discovery import INDEX, DicomIndex, damaged_slice, scan
 from scripts.data.dicom.series_rules import PREFERENCE, SeriesRules
+from scripts.inference.cohort import Part, case_size, split
 from scripts.inference.records import REPORT, Case, Skipped, as_failed, write_run_report
 
 logger = logging.getLogger(__name__)
@@ -69,6 +70,7 @@ def find_inputs(
     report_dir: str | Path | None = None,
     series_rules: SeriesRules | Mapping | None = None,
     output_dir: str | Path | None = None,
+    part: Part | None = None,
 ) -> list[Case]:
     """Cases under ``input_dir``, each with its ``image``, ``case_id`` and ``source`` (``dicom`` or ``nifti``); a DICOM
     case also carries its ``series_uid`` and ``slice_paths`` (``image`` is the series' folder).
@@ -77,7 +79,9 @@ def find_inputs(
     work is recorded as failed at the ``check`` stage (with the reason naming the file) and not returned. Top-level
     folders holding neither are listed as skipped. With ``report_dir`` all of it goes to
     ``<report_dir>/inference_report.json``, which the run completes case by case. The run's ``output_dir`` (None:
-    ``report_dir``) is never searched, and keeps the headers read in ``dicom_index.json`` for the next run. Raises
+    ``report_dir``) is never searched, and keeps the headers read in ``dicom_index.json`` for the next run. With a
+    cohort's ``part``, only its share of the cases (:func:`scripts.inference.cohort.split`) is checked, reported and
+    returned. Raises
     :class:`InferenceInputError` when no case can be run at all.
     """
     root = Path(input_dir)
@@ -96,6 +100,10 @@ def find_inputs(
         cases.append(Case(image=str(path), source="nifti", source_path=str(path), case_id=name))
     if root.is_file() and not _is_nifti(root) and not cases:
         cases.append(Case(image=str(root), source="unknown", source_path=str(root), case_id=root.name))
+    found = len(cases) + len(failed)
+    if part is not None and part.count > 1:  # a cohort's part checks and reports its own cases only
+        assigned = split({c["case_id"]: case_size(c) for c in cases + failed}, part.count)
+        cases, failed = ([c for c in group if assigned[c["case_id"]] == part.index] for group in (cases, failed))
     failures = [as_failed({**f, "source": "dicom"}, "check") for f in failed]
     runnable = []
     for case in cases:
@@ -114,10 +122,12 @@ def find_inputs(
     if report_dir is not None:
         records = [{**c, "status": "pending"} for c in runnable] + failures
         records = [{k: v for k, v in r.items() if k != "slice_paths"} for r in records]
-        found = {"cases": records, "skipped": skipped, "skipped_files": index.skipped()}
+        listed = {"cases": records, "skipped": skipped, "skipped_files": index.skipped(), "cases_found": found}
+        if part is not None:
+            listed["split"] = part.name
         rules = asdict(SeriesRules.of(series_rules))
-        write_run_report(report_dir, {"input_dir": str(root), "series_rules": rules, **found})
-    if not runnable:
+        write_run_report(report_dir, {"input_dir": str(root), "series_rules": rules, **listed})
+    if not runnable and not (part is not None and part.count > 1 and found):  # a part may hold no case
         detail = "; ".join(e["reason"] for e in failures + skipped) or "it is empty"
         advice = (
             "Each case found failed for the reason given: repair or replace those files, or change the series_rules "
