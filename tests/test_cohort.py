@@ -154,3 +154,18 @@ def test_merges_at_once_never_lose_or_repeat_a_case(tmp_path):
     with multiprocessing.get_context("spawn").Pool(4) as pool:
         assert pool.map(_merge, [str(tmp_path)] * 8) == [20] * 8
     assert [c["case_id"] for c in read_run_report(tmp_path)["cases"]] == ids
+
+
+def test_parts_made_with_other_weights_are_listed_stale_never_mixed_into_the_results(tmp_path, caplog):
+    ids = [f"LUNG1-{i:03d}" for i in range(4)]
+    part_reports(tmp_path, 2, ids)
+    newer = read_run_report(Part(1, 2).folder(tmp_path))
+    older = read_run_report(Part(0, 2).folder(tmp_path))
+    write_run_report(Part(0, 2).folder(tmp_path), {**older, "outputs_key": KEY, "started": newer["started"] - 3600})
+    write_run_report(Part(1, 2).folder(tmp_path), {**newer, "outputs_key": {**KEY, "key": "b" * 64}})
+    merged = merge(tmp_path, 2)
+    stale = [c for c in merged["cases"] if c["status"] == "stale"]
+    assert stale and {c["part"] for c in stale} == {"0-of-2"} and merged["num_stale"] == len(stale)
+    assert "run part(s) 0-of-2 again" in stale[0]["reason"] and "run part(s) 0-of-2 again" in caplog.text
+    rows = {r.split(",")[0] for r in (tmp_path / "report.csv").read_text().splitlines()[1:]}
+    assert not rows & {c["case_id"] for c in stale}

@@ -525,7 +525,9 @@ def weights(tmp_path_factory) -> Path:
                         tmp_path_factory.mktemp("weights") / "model.pt")  # fmt: skip
 
 
-def infer(*args: str, tmp: Path, env: dict) -> tuple[subprocess.CompletedProcess, dict, Path]:
+def infer(
+    *args: str, tmp: Path, env: dict, workers: str = "1", timeout: int = 900
+) -> tuple[subprocess.CompletedProcess, dict, Path]:
     """The bundle's inference from DICOMweb (MONAI's CLI, from a folder outside the bundle), its report, and the
     temporary folder it used (runs given the same ``tmp`` share it: a cohort's parts into one output folder)."""
     (tmp / "tmp").mkdir(parents=True, exist_ok=True)
@@ -533,7 +535,7 @@ def infer(*args: str, tmp: Path, env: dict) -> tuple[subprocess.CompletedProcess
         for key, value in {**env, "TMPDIR": str(tmp / "tmp")}.items():
             patch.setenv(key, value)
         result = bundle_run("inference", "--config_file", str(ROOT / "configs" / "inference.yaml"), "--output_dir",
-                            str(tmp / "out"), *NETWORK, "--num_workers", "1", *args)  # fmt: skip
+                            str(tmp / "out"), *NETWORK, "--num_workers", workers, *args, timeout=timeout)  # fmt: skip
     report_file = tmp / "out" / "inference_report.json"
     assert report_file.is_file(), result.stdout[-3000:] + result.stderr[-5000:]
     return result, json.loads(report_file.read_text()), tmp
@@ -681,7 +683,7 @@ def test_a_pacs_query_in_two_parts_splits_its_studies_by_instances_and_a_part_ru
         return infer("--dicomweb_url", gateway.url, "--dicomweb_query", query, "--dicomweb_auth", "basic",
                      "--dicomweb_user", USER, "--dicomweb_ca_bundle", certificate["cert"], "--model_path",
                      str(weights), "--num_parts", "2", "--part_id", str(k), tmp=tmp_path,
-                     env={"DICOMWEB_PASSWORD": PASSWORD})  # fmt: skip
+                     env={"DICOMWEB_PASSWORD": PASSWORD}, workers="0", timeout=300)  # fmt: skip
 
     first, second = part(0), part(1)
     out = tmp_path / "out"

@@ -60,9 +60,8 @@ def test_two_parts_at_once_give_one_report_with_each_case_once(side_by_side):
     assert {c["part"] for c in merged["cases"]} == {"0-of-2", "1-of-2"} and all(c["host"] for c in merged["cases"])
     assert set(merged["parts"]) == {"0-of-2", "1-of-2"} and all(p["ended"] for p in merged["parts"].values())
     parts = {part: sorted(c["case_id"][-1] for c in merged["cases"] if c["part"] == part) for part in merged["parts"]}
-    assert all(len(cases) == 2 and cases[0] in "12" and cases[1] in "34" for cases in parts.values()), (
-        f"each part a small and a large CT: {parts}"
-    )
+    small_and_large = [len(cases) == 2 and cases[0] in "12" and cases[1] in "34" for cases in parts.values()]
+    assert all(small_and_large), f"each part a small and a large CT: {parts}"
     rows = list(csv.DictReader((out / "report.csv").open()))
     assert sorted(r["case"] for r in rows) == CASES
     for k in (0, 1):

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from ignite.engine import Engine, Events
-from scripts.common.config import ConfigError, as_bool
+from scripts.common.config import ConfigError
 from scripts.common.files import file_sha256, write_json
 from scripts.data.dicom.identity import bundle_version
 from scripts.inference.records import REPORT, Case, read_run_report, report_path, write_run_report
@@ -184,6 +184,8 @@ def take_part(
     earlier marked so with their outputs."""
     part = Part.of(num_parts, part_id)
     folder = part.folder(output_dir)
+    if not cases and not report_path(folder).is_file():  # nothing found (MONAI's tools building the config): no trace
+        return []
     lock_part(folder)
     found = read_run_report(folder)
     runnable = {c["case_id"]: c for c in cases}
@@ -197,7 +199,7 @@ def take_part(
         if assigned[case_id] != part.index:
             continue
         record = {**records[case_id], "part": part.name, "host": socket.gethostname()}
-        redone = as_bool(redo, "redo") or case_id not in runnable
+        redone = bool(redo) or case_id not in runnable
         done = None if redone else done_earlier(output_dir, case_id, key["key"])
         if done is not None:
             record.update(status="done", earlier=True, outputs=done["outputs"], finished=done.get("finished"))
@@ -257,11 +259,28 @@ def merge(output_dir: str | Path, num_parts: int | str | None = None) -> dict:
         cases: dict[str, dict] = {}
         for report in parts.values():
             cases.update({c["case_id"]: c for c in report.get("cases", [])})
+        _mark_stale(parts, cases)
         merged = _summary(parts, cases, num_parts)
         write_run_report(output_dir, merged)
         rows = [row for case in merged["cases"] if case.get("status") == "done" for row in _rows(output_dir, case)]
         write_report_csv(output_dir / "report.csv", rows, replace=True)
     return merged
+
+
+def _mark_stale(parts: Mapping[str, dict], cases: dict[str, dict]) -> None:
+    """The cases of parts whose outputs were made with other weights or settings than the part started last: listed
+    as ``stale`` (no row in report.csv), with what to do, never mixed silently into the cohort's results."""
+    key = lambda report: (report.get("outputs_key") or {}).get("key")  # noqa: E731
+    newest = max(parts.items(), key=lambda item: item[1].get("started", 0), default=(None, {}))
+    stale = [name for name, report in parts.items() if key(report) not in (None, key(newest[1]))]
+    if not stale:
+        return
+    why = (f"made with other weights or settings (outputs_key) than part {newest[0]}, the part run last: run part(s) "
+           f"{', '.join(stale)} again with its weights and settings")  # fmt: skip
+    logger.warning("%s", why)
+    for name in stale:
+        for case in parts[name].get("cases", []):
+            cases[case["case_id"]] = {**case, "status": "stale", "reason": why}
 
 
 def _rows(output_dir: Path, case: Mapping) -> list[dict]:
@@ -275,7 +294,7 @@ def _rows(output_dir: Path, case: Mapping) -> list[dict]:
 def _summary(parts: Mapping[str, dict], cases: Mapping[str, dict], num_parts: Any) -> dict:
     first = next(iter(parts.values()), {})
     listed = sorted(cases.values(), key=lambda c: c["case_id"])
-    counts = {status: sum(c.get("status") == status for c in listed) for status in ("done", "failed", "pending")}
+    counts = {s: sum(c.get("status") == s for c in listed) for s in ("done", "failed", "pending", "stale")}
     ran = [c for c in listed if c.get("status") == "done" and not c.get("earlier")]
     about = {}
     for name, report in parts.items():
@@ -292,6 +311,7 @@ def _summary(parts: Mapping[str, dict], cases: Mapping[str, dict], num_parts: An
         "num_parts": int(num_parts or 1), "parts": about, "cases": listed,
         "skipped": [s for report in parts.values() for s in report.get("skipped", [])],
         "num_done": counts["done"], "num_failed": counts["failed"], "num_pending": counts["pending"],
+        "num_stale": counts["stale"],
         "num_done_earlier": sum(bool(c.get("earlier")) for c in listed),
         "cases_per_hour": round(len(ran) / hours, 1) if hours > 0 else None,
     }  # fmt: skip
