@@ -70,7 +70,7 @@ def main(
         first = _child(tree, out, finder, parts)
         second = _child(tree, out, finder, parts)
         for scan in (first, second):
-            scan.setdefault("files_per_s", round(files / scan["total_s"]))
+            scan.setdefault("files_per_s", round(files / max(scan["total_s"], 0.01)))
         report = {"patients": int(patients), "slices": int(slices), "files": files, "write_s": round(written_s, 1),
                   "tree_bytes": _tree_bytes(tree), "finder": finder, "parts": int(parts), "first": first,
                   "second": second}  # fmt: skip
