@@ -177,11 +177,11 @@ def lock_part(folder: Path) -> None:
 
 def take_part(
     cases: Sequence[Case], num_parts: int | str, part_id: int | str, output_dir: str | Path, key: Mapping,
-    redo: bool | str = False,
+    redo: bool = False,
 ) -> list[Case]:  # fmt: skip
     """This part's cases still to infer, from ``cases`` (every case found: the report the finder wrote in this part's
     folder lists them, and the cases that failed their check); the part's report keeps only its own cases, those done
-    earlier marked so with their outputs."""
+    earlier marked so with their outputs. ``redo``: the switch as read once (``inference_flag#redo``), a bool."""
     part = Part.of(num_parts, part_id)
     folder = part.folder(output_dir)
     if not cases and not report_path(folder).is_file():  # nothing found (MONAI's tools building the config): no trace
@@ -199,7 +199,7 @@ def take_part(
         if assigned[case_id] != part.index:
             continue
         record = {**records[case_id], "part": part.name, "host": socket.gethostname()}
-        redone = bool(redo) or case_id not in runnable
+        redone = redo or case_id not in runnable
         done = None if redone else done_earlier(output_dir, case_id, key["key"])
         if done is not None:
             record.update(status="done", earlier=True, outputs=done["outputs"], finished=done.get("finished"))
