@@ -6,13 +6,18 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import nibabel as nib
 import numpy as np
 import pytest
 import scripts.common.files
-from scripts.common.files import csv_text, replace_atomically, save_nifti, write_json, write_text
+from conftest import ROOT
+from scripts.common.files import csv_text, hold_lock, replace_atomically, save_nifti, write_json, write_text
 
 
 def test_successful_write_puts_the_file_in_place_and_leaves_no_temporary(tmp_path):
@@ -161,3 +166,11 @@ def test_unique_names_count_on_from_two():
 
     taken: set[str] = set()
     assert [unique_name(n, taken) for n in ("a", "a", "b", "a")] == ["a", "a_2", "b", "a_3"]
+
+
+def test_a_lock_is_held_for_the_process_life_and_another_process_is_told_who_holds_it(tmp_path):
+    path = tmp_path / "sub" / "lock"
+    assert hold_lock(path) is None and hold_lock(path) is None, "taken, then already this process's"
+    code = f"from scripts.common.files import hold_lock; print(hold_lock({str(path)!r}))"
+    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert re.fullmatch(rf"process {os.getpid()} on \S+ since [0-9-]+ [0-9:]+\n", other.stdout), other.stdout

@@ -4,12 +4,15 @@ place, so a reader (or a crash) never sees half a file and a previous version su
 from __future__ import annotations
 
 import csv
+import fcntl
 import hashlib
 import io
 import json
 import os
 import re
+import socket
 import threading
+import time
 import zlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -107,6 +110,33 @@ def file_sha256(path: str | Path) -> str:
         for block in iter(lambda: handle.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
+
+
+_HELD: dict[Path, Any] = {}  # the locks this process holds, open for its life (the kernel frees them at its end)
+
+
+def hold_lock(path: str | Path) -> str | None:
+    """Take the lock file ``path`` for this process's life (an flock, freed by the kernel when the process ends, however
+    it ends) and write who holds it; None once held, or the holder's line ("process P on HOST since ...") if another
+    process holds it."""
+    path = Path(path)
+    if path in _HELD:
+        return None
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle = path.open("a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "another process"
+        handle.close()
+        return holder
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"process {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+    handle.flush()
+    _HELD[path] = handle
+    return None
 
 
 def write_text(path: str | Path, text: str) -> Path:

@@ -37,7 +37,7 @@ from typing import Any
 
 from ignite.engine import Engine, Events
 from scripts.common.config import ConfigError
-from scripts.common.files import file_sha256, write_json
+from scripts.common.files import file_sha256, hold_lock, write_json
 from scripts.data.dicom.identity import bundle_version
 from scripts.inference.records import REPORT, Case, read_run_report, report_path, write_run_report
 from scripts.inference.report import report_rows, write_report_csv
@@ -148,31 +148,15 @@ class PartLockedError(RuntimeError):
     """Another process runs the same part into the same output folder."""
 
 
-_HELD: dict[Path, Any] = {}  # the locks this process holds, open for its life (the kernel frees them at its end)
-
-
 def lock_part(folder: Path) -> None:
     """Hold ``folder``'s lock for this process's life; raise :class:`PartLockedError` naming the holder if held."""
-    folder.mkdir(parents=True, exist_ok=True)
     path = folder / "lock"
-    if path in _HELD:
-        return
-    handle = path.open("a+")
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        handle.seek(0)
-        holder = handle.read().strip() or "another process"
-        handle.close()
+    holder = hold_lock(path)
+    if holder:
         raise PartLockedError(
             f"part {folder.name}: already running into {folder.parents[1]} ({holder}; lock {path}). Wait for it to "
             "end, or stop it: two runs of one part would write the same cases"
-        ) from None
-    handle.seek(0)
-    handle.truncate()
-    handle.write(f"process {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
-    handle.flush()
-    _HELD[path] = handle
+        )
 
 
 def take_part(
