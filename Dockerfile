@@ -32,5 +32,9 @@ COPY requirements.txt .
 RUN python -m pip install --no-cache-dir -r requirements.txt
 COPY . .
 
+# the DICOM node's port (docs/inference.md, "As a DICOM node"), with the node's queue on a volume:
+#   docker run --rm -p 11112:11112 -v /srv/nsclc-node:/node nsclc-swinunetr:cpu python -m monai.bundle run serve \
+#     --config_file configs/inference.yaml --output_dir /node --dicom_destinations "['TPS@tps.example.org:104']"
+EXPOSE 11112
 # the demo trains on synthetic DICOM in minutes and proves the image works end to end
 CMD ["python", "-m", "monai.bundle", "run", "--config_file", "['configs/train.yaml','configs/demo.yaml']"]

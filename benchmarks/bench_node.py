@@ -42,7 +42,10 @@ def main(weights: str, config: str = "demo", quiet_s: float = 10.0, output_dir: 
             write_chest_case(study, f"CHEST-{k}", (512, 512, SLICES[k % len(SLICES)]), seed=k)
     tps_port, node_port = _free_port(), _free_port()
     arrivals = folder / "arrivals.txt"
-    (folder / "tps").mkdir(parents=True, exist_ok=True)
+    for earlier in (folder / "node", folder / "tps"):  # a node's queue and a destination from scratch (studies kept)
+        shutil.rmtree(earlier, ignore_errors=True)
+    arrivals.unlink(missing_ok=True)
+    (folder / "tps").mkdir(parents=True)
     tps = subprocess.Popen([storescp, "-aet", "TPS", "-od", str(folder / "tps"), "-xcr",
                             f"echo #f $(date +%s.%N) >> {arrivals}", str(tps_port)])  # fmt: skip
     configs = ["configs/inference.yaml"] + ([f"configs/{config}.yaml"] if config else [])
@@ -54,7 +57,7 @@ def main(weights: str, config: str = "demo", quiet_s: float = 10.0, output_dir: 
                             stderr=subprocess.STDOUT)  # fmt: skip
     try:
         _wait(lambda: "listening on" in (folder / "node.log").read_text(), 300, "the node to listen")
-        send = [storescu, "-aet", "BENCH", "-aec", "NSCLC_GTV", "+sd", "+r", "127.0.0.1", str(node_port)]
+        send = [storescu, "-R", "-aet", "BENCH", "-aec", "NSCLC_GTV", "+sd", "+r", "127.0.0.1", str(node_port)]
         rows = [_send(send, studies[:1], arrivals, folder), _send(send, studies[1:], arrivals, folder)]
         print(f"chest CTs of 512 x 512 x {min(SLICES)}-{max(SLICES)} (with their SEG), weights {weights}, quiet period "
               f"{quiet_s:g} s\n")  # fmt: skip
@@ -91,7 +94,7 @@ def _send(command: list[str], studies: list[Path], arrivals: Path, folder: Path)
         time.sleep(0.05)
     arrived = _wait(lambda: _rtstructs(arrivals, folder, uids), 1800, "every RTSTRUCT at the destination")
     inferred = [json.loads((folder / "node" / "studies" / uid / "v1" / "inferred.json").read_text()) for uid in uids]
-    return {"latency_s": [arrived[uid] - sent[uid] for uid in uids], "served": len(arrived),
+    return {"latency_s": [arrived[uid] - sent[uid] for uid in uids], "served": sum(uid in arrived for uid in uids),
             "inference_s": [outcome["seconds"] for outcome in inferred]}  # fmt: skip
 
 

@@ -1,6 +1,8 @@
 """Shared fixtures: synthetic TCIA-layout cases are written once per session, the demo is trained once, and every
 workflow test reuses them. Bundle runs start from a folder that is not the bundle (``--bundle_root`` names it), as the
 model zoo and SLURM jobs run them; the demo alone runs from the bundle root with relative paths, as the README says.
+Each :func:`bundle_run` is a process of its own, forked from a zygote (tests/zygote.py) that imported torch and MONAI
+once: a ``python -m monai.bundle`` process spends ~6 s on those imports before it reads its config.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import zygote
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -84,16 +87,25 @@ def bundle_run(
     *args: str, cwd: Path | None = None, timeout: int = 900, with_faults: bool = False
 ) -> subprocess.CompletedProcess:
     """``python -m monai.bundle run ...`` as a user types it, from ``cwd`` (default: a folder outside the bundle, so
-    ``--bundle_root`` is added). ``with_faults``: the configs may name ``faults.<name>`` (tests/faults.py)."""
-    command = [sys.executable, "-m", "monai.bundle", "run", *args]
+    ``--bundle_root`` is added). ``with_faults``: the configs may name ``faults.<name>`` (tests/faults.py).
+
+    The run is a process of its own with this argv, ``cwd`` and environment, but forked from this worker's zygote
+    (tests/zygote.py), which imported torch and MONAI once: a ``python -m monai.bundle`` process spends ~6 s on those
+    imports, and the workflow tests start dozens. What comes back is what ``subprocess.run`` gives (a run killed by
+    SIGKILL: returncode -9; past ``timeout``: killed, TimeoutExpired). ``BUNDLE_RUN_SUBPROCESS=1`` in the
+    environment: every run a ``python -m monai.bundle`` process of its own, as typed (to check that the zygote
+    changes nothing)."""
+    argv = ["run", *args]
     if cwd is None:
         cwd = foreign_folder()
-        command += ["--bundle_root", str(ROOT)]
-    env = None
+        argv += ["--bundle_root", str(ROOT)]
+    env = dict(os.environ)
     if with_faults:
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "tests"), str(ROOT),
-                                                                         os.environ.get("PYTHONPATH")]))}  # fmt: skip
-    return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "tests"), str(ROOT), env.get("PYTHONPATH")]))
+    if os.environ.get("BUNDLE_RUN_SUBPROCESS") == "1":
+        command = [sys.executable, "-m", "monai.bundle", *argv]
+        return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
+    return zygote.run(argv, cwd, env, timeout)
 
 
 def workflow_run(*args: str, cwd: Path | None = None) -> None:

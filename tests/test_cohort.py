@@ -13,9 +13,10 @@ import time
 from pathlib import Path
 
 import pytest
+from scripts.common import files
 from scripts.common.config import ConfigError
 from scripts.inference import cohort
-from scripts.inference.cohort import Part, done_earlier, merge, split, take_part, write_run_record
+from scripts.inference.cohort import Part, done_earlier, merge, outputs_key, split, take_part, write_run_record
 from scripts.inference.records import read_run_report, write_run_report
 
 
@@ -93,6 +94,25 @@ def test_a_part_skips_what_an_earlier_run_finished_and_redo_infers_it_again(tmp_
     assert run_part(tmp_path, Part(0, 1), ids, redo=True) == ids, "again in the same process: its lock is its own"
 
 
+def test_another_setting_makes_every_case_done_earlier_inferred_again(tmp_path):
+    """outputs_key: the same weights and settings give the same key; another setting (the window overlap) another,
+    under which a part infers again every case that a run with the first finished."""
+    weights = tmp_path / "model.pt"
+    weights.write_bytes(b"weights")
+    record = {"models": [str(weights)], "backend": "onnxruntime", "precision": "f32"}
+    settings = {"roi_size": [96, 96, 32], "sw_overlap": 0.25, "outputs": {"nifti": True, "report": True}}
+    key = outputs_key([weights], record, settings)
+    assert outputs_key([weights], dict(record), dict(settings)) == key, "the same weights and settings: the same key"
+    other = outputs_key([weights], record, {**settings, "sw_overlap": 0.5})
+    assert other["key"] != key["key"]
+    out, ids = tmp_path / "out", ["LUNG1-001", "LUNG1-002"]
+    for case_id in ids:
+        finished_case(out, case_id, key)
+    assert take_part(found(out, Part(0, 1), ids), 1, 0, out, key) == [], "the same settings: every case done earlier"
+    todo = take_part(found(out, Part(0, 1), ids), 1, 0, out, other)
+    assert [c["case_id"] for c in todo] == ids, "another setting: every case inferred again"
+
+
 def test_a_second_run_of_the_same_part_stops_naming_the_first(tmp_path):
     """The first holds the part's lock in another process; the second is refused with who holds it."""
     folder = Part(1, 2).folder(tmp_path)
@@ -111,7 +131,7 @@ def test_a_second_run_of_the_same_part_stops_naming_the_first(tmp_path):
         holder.kill()
         holder.wait()
     cohort.lock_part(folder)  # its lock went with the killed process
-    cohort._HELD.pop(folder / "lock").close()
+    files._HELD.pop(folder / "lock").close()
 
 
 def part_reports(out: Path, count: int, ids: list[str], parts: list[int] | None = None) -> None:

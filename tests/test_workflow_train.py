@@ -171,10 +171,7 @@ def test_a_wrong_value_ends_the_command_with_an_error_status(tmp_path):
 
 
 def test_a_wrong_bundle_root_says_what_to_pass(tmp_path):
-    result = subprocess.run(
-        [sys.executable, "-m", "monai.bundle", "run", "--config_file", DEMO, "--bundle_root", str(tmp_path)],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    result = bundle_run("--config_file", DEMO, "--bundle_root", str(tmp_path), cwd=tmp_path, timeout=300)
     assert result.returncode != 0
     assert "scripts does not exist" in result.stderr and "--bundle_root" in result.stderr
 

@@ -1,0 +1,475 @@
+"""A fork server ("zygote") for the tests' ``python -m monai.bundle`` runs: one long-lived process that has imported
+torch and MONAI once, and forks a child per run. A ``python -m monai.bundle`` process spends ~6 s importing torch and
+MONAI before it reads its config, and the workflow tests start dozens of them; a child of the zygote starts at once.
+
+Each child is still a process of its own, set up as ``python -m monai.bundle <argv>`` run from ``cwd`` with ``env``
+would be: its working directory, environment (``os.environ`` and the C library's), ``sys.path`` (``cwd`` first, then
+``PYTHONPATH``'s entries, then the interpreter's own; not this folder), ``sys.argv``, a fresh temporary folder
+setting, fds 0-2 and ``sys.stdout``/``sys.stderr`` on files of its own, the CPUs it may run on, reseeded random
+number generators; then ``runpy`` runs ``monai.bundle`` as ``__main__``, and it ends as the interpreter ends a process
+(SystemExit's status, an uncaught exception's traceback and status 1, non-daemon threads joined, ``atexit`` handlers
+run). What the imports wrote to stdout and stderr (a warning of holoscan's, imported by ``import monai``) is written
+at the start of each child's, as each process of its own writes it. The zygote reports each child's exit status as
+``subprocess`` does (``-9`` for a run killed by SIGKILL).
+
+The zygote imports only what every ``python -m monai.bundle`` process imports (torch, monai, monai.bundle): a run's
+own modules (the bundle's ``scripts``, highdicom, OpenVINO, ...) are imported by the run, so the modules a run
+imports are those of a process of its own. It starts no thread and runs no torch op (OpenMP's thread pool would not
+survive a fork); the threads its imports start are OpenBLAS's servers (numpy's, scipy's, OpenCV's), which OpenBLAS
+stops and restarts around a fork, as every run's DataLoader workers already rely on. Settings that the interpreter,
+OpenMP, BLAS or torch read as they start (:data:`IMPORT_TIME_ENV`) are the zygote's: a run whose environment sets
+them otherwise gets a process of its own (with a warning, once). The variables that the imports themselves set
+(OpenCV's LD_LIBRARY_PATH and QT_*, scikit-learn's KMP_*, MONAI's CUBLAS_WORKSPACE_CONFIG, GDCM's resources) are set
+in each child's environment as the imports would have set them in a process of its own.
+
+Protocol, one JSON line each way: a request ``{"id", "argv", "cwd", "env", "stdout", "stderr", "cpus"}`` is answered
+``{"id", "pid"}`` once forked and ``{"id", "returncode"}`` once ended (runs overlap: the zygote waits on pidfds);
+``{"kill": id}`` sends the run SIGKILL (the zygote, its parent, kills it only while it has not reaped it, so never a
+reused pid). Run as a script (``python zygote.py FOLDER``) this module is the zygote; imported, :func:`run` is its
+client, with one zygote per process, started on first use and ended when the process ends.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import importlib
+import importlib.util
+import itertools
+import json
+import os
+import runpy
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import traceback
+import warnings
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple, NoReturn
+
+#: the modules every ``python -m monai.bundle`` process imports, imported once by the zygote
+PRELOADED = ("torch", "monai", "monai.bundle")
+#: prefixes of the environment variables read when the interpreter, OpenMP, BLAS, torch or MONAI start (PYTHONPATH
+#: aside: each child sets ``sys.path`` from its own). Not TORCHINDUCTOR_/TORCHDYNAMO_: their configs are read when a
+#: run first compiles (the bundle's compile cache sets TORCHINDUCTOR_CACHE_DIR in the tests' own process)
+IMPORT_TIME_ENV = ("PYTHON", "OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "GOTO", "LD_", "LANG", "LC_", "TORCH_",
+                   "PYTORCH_", "MONAI_", "CUDA_", "NUMEXPR_")  # fmt: skip
+#: how long a killed run or an ending zygote is waited for
+GRACE_S = 60
+# where the zygote's folders go: the temporary folder as this module was imported, before any test set TMPDIR
+_TMP = Path(tempfile.gettempdir())
+
+
+class ZygoteError(RuntimeError):
+    """The zygote could not start, or ended; ``forked``: whether the run asked for had already started."""
+
+    def __init__(self, message: str, forked: bool = False) -> None:
+        super().__init__(message)
+        self.forked = forked
+
+
+def import_settings(env: Mapping[str, str]) -> dict[str, str]:
+    """The variables of ``env`` that take effect as a process starts (a zygote's are those it started with)."""
+    return {k: v for k, v in env.items() if k.startswith(IMPORT_TIME_ENV) and k != "PYTHONPATH"}
+
+
+def differing_settings(zygote: Mapping[str, str], run: Mapping[str, str], imports: Mapping[str, list]) -> list[str]:
+    """The import-time variables that ``run``'s environment sets otherwise than ``zygote``'s (the environment the
+    zygote started with), but a variable that the zygote's imports set (``imports``: name: [before, after]) and that
+    ``run`` has as it was before them or as they left it: a process that imported them (the tests' own, once a test
+    imported MONAI: OpenCV's LD_LIBRARY_PATH, scikit-learn's KMP_* settings) passes on what its own imports set."""
+    ours, theirs = import_settings(zygote), import_settings(run)
+    names = {k for k in {*ours, *theirs} if ours.get(k) != theirs.get(k)}
+    return sorted(k for k in names if k not in imports or theirs.get(k) not in imports[k])
+
+
+class _Run:
+    """One run asked of the zygote: its output files, and the child's pid and exit status as they are answered."""
+
+    def __init__(self, run_id: int, folder: Path) -> None:
+        self.id = run_id
+        self.stdout, self.stderr = folder / f"{run_id}.out", folder / f"{run_id}.err"
+        self.pid: int | None = None
+        self.returncode: int | None = None
+        self.error: str | None = None
+        self.ended = threading.Event()
+
+    def output(self, binary: bool = False) -> tuple[Any, Any]:
+        """What the run wrote to stdout and stderr so far: text as ``subprocess``'s ``text=True`` decodes it (the
+        locale's encoding, universal newlines), or bytes."""
+        texts = []
+        for path in (self.stdout, self.stderr):
+            try:
+                texts.append(path.read_bytes() if binary else path.read_text())
+            except FileNotFoundError:
+                texts.append(b"" if binary else "")
+        return texts[0], texts[1]
+
+    def remove(self) -> None:
+        for path in (self.stdout, self.stderr):
+            path.unlink(missing_ok=True)
+
+
+class Zygote:
+    """The client of one zygote process: starts it with ``env``, asks it for runs, and gives each caller its run's
+    answers (a thread reads them, so runs from several threads overlap)."""
+
+    def __init__(self, env: Mapping[str, str]) -> None:
+        self.folder = Path(tempfile.mkdtemp(prefix="zygote-", dir=_TMP))
+        self.env = {k: v for k, v in env.items() if k != "PYTHONPATH"}
+        self._lock = threading.Lock()  # the request pipe, and the table of runs
+        self._runs: dict[int, _Run] = {}
+        self._ids = itertools.count()
+        with (self.folder / "zygote.log").open("wb") as log:
+            command = [sys.executable, str(Path(__file__).resolve()), str(self.folder)]
+            pipe = subprocess.PIPE
+            self.process = subprocess.Popen(command, stdin=pipe, stdout=pipe, stderr=log, cwd=self.folder, env=self.env)
+        line = self.process.stdout.readline()  # the zygote's imports: as long as a run's
+        self.ready = json.loads(line) if line.strip() else {}
+        if not self.ready.get("ready"):
+            why = self.log()
+            self.close()
+            raise ZygoteError(f"the zygote did not start: {why}")
+        self.alive = True
+        threading.Thread(target=self._read_answers, name="zygote answers", daemon=True).start()
+
+    def log(self) -> str:
+        """The end of what the zygote itself wrote (its errors)."""
+        try:
+            return (self.folder / "zygote.log").read_text(errors="replace")[-3000:]
+        except OSError:
+            return "(no log)"
+
+    def _read_answers(self) -> None:
+        try:
+            for line in self.process.stdout:
+                answer = json.loads(line)
+                with self._lock:
+                    run = self._runs.get(answer["id"])
+                    if run is None:
+                        continue
+                    if "pid" in answer:
+                        run.pid = answer["pid"]
+                        continue
+                    run.returncode, run.error = answer.get("returncode"), answer.get("error")
+                    del self._runs[run.id]
+                run.ended.set()
+        finally:
+            self._ended()
+
+    def _ended(self) -> None:
+        with self._lock:  # the zygote ended: no run still asked of it will be answered
+            self.alive = False
+            ended, self._runs = list(self._runs.values()), {}
+        for run in ended:
+            run.ended.set()
+
+    def _send(self, request: dict) -> None:
+        self.process.stdin.write(json.dumps(request).encode() + b"\n")
+        self.process.stdin.flush()
+
+    def start(self, argv: Sequence[str], cwd: Path, env: Mapping[str, str]) -> _Run:
+        """Ask for the run of ``python -m monai.bundle *argv``; it runs while the caller waits on its ``ended``."""
+        with self._lock:
+            if not self.alive:
+                raise ZygoteError(f"the zygote has ended: {self.log()}")
+            run = _Run(next(self._ids), self.folder)
+            self._runs[run.id] = run
+            request = {"id": run.id, "argv": list(argv), "cwd": str(cwd), "env": dict(env), "stdout": str(run.stdout),
+                       "stderr": str(run.stderr), "cpus": sorted(os.sched_getaffinity(0))}  # fmt: skip
+            try:
+                self._send(request)
+            except OSError as error:
+                self.alive = False
+                del self._runs[run.id]
+                raise ZygoteError(f"the zygote has ended ({error}): {self.log()}") from error
+        return run
+
+    def kill(self, run: _Run) -> None:
+        """SIGKILL to ``run`` if it still runs."""
+        with self._lock, contextlib.suppress(OSError):
+            self._send({"kill": run.id})
+
+    def run(
+        self, argv: Sequence[str], cwd: Path, env: Mapping[str, str], timeout: float | None = None
+    ) -> subprocess.CompletedProcess:
+        """``subprocess.run([python, "-m", "monai.bundle", *argv], cwd=cwd, env=env, capture_output=True,
+        text=True, timeout=timeout)``, forked from the zygote."""
+        command = [sys.executable, "-m", "monai.bundle", *argv]
+        if not Path(cwd).is_dir():  # where subprocess raises too: before anything runs
+            raise FileNotFoundError(f"no such directory: {cwd}")
+        run = self.start(argv, cwd, env)
+        try:
+            if not run.ended.wait(timeout):
+                self.kill(run)
+                run.ended.wait(GRACE_S)
+                stdout, stderr = run.output(binary=True)
+                raise subprocess.TimeoutExpired(command, timeout, output=stdout or None, stderr=stderr or None)
+            if run.error is not None:
+                raise OSError(f"the zygote could not start the run: {run.error}")
+            if run.returncode is None:
+                raise ZygoteError(f"the zygote ended while the run {command} ran: {self.log()}", run.pid is not None)
+            stdout, stderr = run.output()
+            return subprocess.CompletedProcess(command, run.returncode, stdout, stderr)
+        except BaseException:  # as subprocess.run: a run interrupted (a timeout, Ctrl-C) is killed
+            self.kill(run)
+            raise
+        finally:
+            run.remove()
+
+    def close(self) -> None:
+        """End the zygote (it ends as its requests end) and remove its folder."""
+        with contextlib.suppress(OSError):
+            self.process.stdin.close()
+        try:
+            self.process.wait(GRACE_S)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+_ZYGOTE: Zygote | None = None
+_STARTING = threading.Lock()
+_FAILED_STARTS: list[str] = []  # why each start failed; after two, runs are processes of their own
+_MISMATCHES: list[list[str]] = []  # the import-time variables that sent runs to processes of their own
+
+
+def _zygote(env: Mapping[str, str]) -> Zygote | None:
+    """This process's zygote for a run with ``env``: started on first use, and again if it ended; None where none
+    serves ``env`` (its import-time settings are not the zygote's, or the zygote failed to start twice)."""
+    global _ZYGOTE
+    with _STARTING:
+        if _ZYGOTE is not None and not _ZYGOTE.alive:
+            _ZYGOTE.close()
+            _ZYGOTE = None
+        if _ZYGOTE is None and len(_FAILED_STARTS) < 2:
+            try:
+                _ZYGOTE = Zygote(env)
+            except (OSError, ZygoteError) as error:
+                _FAILED_STARTS.append(str(error))
+                warnings.warn(f"bundle runs as processes of their own: {error}", RuntimeWarning, stacklevel=3)
+        if _ZYGOTE is None:
+            return None
+        names = differing_settings(_ZYGOTE.env, env, _ZYGOTE.ready["imports_env"])
+        if names:
+            if names not in _MISMATCHES:  # said once: every such run pays the imports again
+                _MISMATCHES.append(names)
+                message = f"bundle runs whose environment sets {', '.join(names)} otherwise than the zygote's"
+                warnings.warn(f"{message} run as processes of their own", RuntimeWarning, stacklevel=3)
+            return None
+        return _ZYGOTE
+
+
+def run(
+    argv: Sequence[str], cwd: Path, env: Mapping[str, str], timeout: float | None = None
+) -> subprocess.CompletedProcess:
+    """``python -m monai.bundle *argv`` from ``cwd`` with ``env``, its output captured as text, as
+    ``subprocess.run`` gives it: forked from this process's zygote, or a process of its own where no zygote serves
+    (see :func:`_zygote`; a zygote that ended before the run started)."""
+    zygote = _zygote(env)
+    if zygote is not None:
+        try:
+            return zygote.run(argv, cwd, env, timeout)
+        except ZygoteError as error:
+            if error.forked:
+                raise
+    command = [sys.executable, "-m", "monai.bundle", *argv]
+    return subprocess.run(command, cwd=cwd, env=dict(env), capture_output=True, text=True, timeout=timeout)
+
+
+def _stop() -> None:
+    if _ZYGOTE is not None:
+        _ZYGOTE.close()
+
+
+# --- the zygote itself -------------------------------------------------------------------------------------------
+
+
+def _search_path(cwd: str, pythonpath: str | None, base: Sequence[str]) -> list[str]:
+    """``sys.path`` as ``python -m`` sets it from ``cwd``: ``cwd``, then PYTHONPATH's entries made absolute, then
+    the interpreter's own, each once."""
+    entries = [os.path.abspath(p) for p in pythonpath.split(os.pathsep)] if pythonpath else []
+    return [cwd, *dict.fromkeys([*entries, *base])]
+
+
+def _exit_status(code: object) -> int:
+    """The exit status of ``SystemExit(code)``, as the interpreter gives it (a message: printed, status 1)."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(code, file=sys.stderr)
+    return 1
+
+
+class _Setup(NamedTuple):
+    """What every child starts from: the interpreter's own ``sys.path``, ``monai/bundle/__main__.py``, what the
+    imports wrote to stdout and stderr, and the environment variables they set (name: [before, after])."""
+
+    base: list[str]
+    main: str
+    preamble: tuple[bytes, bytes]
+    imports_env: dict[str, list]
+
+
+def _child(request: dict, inherited: Sequence[int], setup: _Setup) -> NoReturn:
+    """The forked child: set up as ``python -m monai.bundle`` sets up a process, run it, end as the interpreter
+    ends."""
+    status = 1
+    try:
+        for fd in inherited:
+            os.close(fd)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+        for fd, (name, text) in enumerate(zip(("stdout", "stderr"), setup.preamble), start=1):
+            opened = os.open(request[name], flags, 0o644)
+            os.dup2(opened, fd)
+            os.close(opened)
+            os.write(fd, text)
+        # the interpreter's own streams, now on the run's files: set up as for a pipe (as subprocess's), and the
+        # very objects that loggers made by the imports write to, flushed as the run ends
+        sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        for name, (before, after) in setup.imports_env.items():  # as the imports would have left it
+            if os.environ.get(name) == before:
+                if after is None:
+                    del os.environ[name]
+                else:
+                    os.environ[name] = after
+        tempfile.tempdir = None  # TMPDIR as the run's environment says
+        if set(request["cpus"]) != os.sched_getaffinity(0):
+            os.sched_setaffinity(0, request["cpus"])
+        sys.path[:] = _search_path(os.getcwd(), request["env"].get("PYTHONPATH"), setup.base)
+        importlib.invalidate_caches()
+        sys.argv = [setup.main, *request["argv"]]
+        sys.orig_argv = [sys.executable, "-m", "monai.bundle", *request["argv"]]
+        if "numpy.random" in sys.modules:  # a process of its own seeds numpy's global generator afresh (random's:
+            sys.modules["numpy.random"].seed()  # at fork)
+        if "multiprocessing.process" in sys.modules:  # and makes its own authentication key
+            process = sys.modules["multiprocessing.process"]
+            process.current_process().authkey = os.urandom(32)
+    except Exception:
+        traceback.print_exc()
+        _finish(status)
+    try:
+        runpy.run_module("monai.bundle", run_name="__main__", alter_sys=True)
+        status = 0
+    except SystemExit as stop:
+        status = _exit_status(stop.code)
+    except KeyboardInterrupt:  # the interpreter ends such a process by SIGINT
+        traceback.print_exc()
+        sys.stderr.flush()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    except Exception as error:  # what the interpreter prints of an uncaught exception
+        sys.excepthook(type(error), error, error.__traceback__)
+    _finish(status)
+
+
+def _finish(status: int) -> NoReturn:
+    """End as the interpreter ends a process: join non-daemon threads, run the ``atexit`` handlers, flush."""
+    try:
+        threading._shutdown()
+    except Exception:
+        traceback.print_exc()
+    atexit._run_exitfuncs()
+    for stream, failed in ((sys.stdout, 120), (sys.stderr, status), (sys.__stdout__, status), (sys.__stderr__, status)):
+        try:
+            stream.flush()
+        except Exception:
+            status = failed
+    os._exit(status)
+
+
+def _serve(requests: int, answers: int, log: int, setup: _Setup) -> None:
+    """Fork a child per request, answer its pid, and its exit status when it ends, until the requests end."""
+
+    def answer(message: dict) -> None:
+        os.write(answers, json.dumps(message).encode() + b"\n")
+
+    running: dict[int, tuple[int, int]] = {}  # pidfd: (run id, pid)
+    pending = b""
+    while True:
+        ready, _, _ = select.select([requests, *running], [], [])
+        for fd in ready:
+            if fd != requests:
+                run_id, pid = running.pop(fd)
+                os.close(fd)
+                _, status = os.waitpid(pid, 0)
+                answer({"id": run_id, "returncode": os.waitstatus_to_exitcode(status)})
+                continue
+            chunk = os.read(requests, 1 << 16)
+            if not chunk:
+                return
+            *lines, pending = (pending + chunk).split(b"\n")
+            for line in lines:
+                request = json.loads(line)
+                if "kill" in request:
+                    for run_id, pid in running.values():
+                        if run_id == request["kill"]:
+                            os.kill(pid, signal.SIGKILL)
+                    continue
+                sys.stdout.flush()
+                sys.stderr.flush()
+                try:
+                    pid = os.fork()
+                except OSError as error:
+                    answer({"id": request["id"], "error": str(error)})
+                    continue
+                if pid == 0:
+                    try:
+                        _child(request, [requests, answers, log, *running], setup)
+                    finally:  # never back into the zygote's loop
+                        os._exit(1)
+                running[os.pidfd_open(pid)] = (request["id"], pid)
+                answer({"id": request["id"], "pid": pid})
+
+
+def _zygote_main(folder: Path) -> None:
+    """Import :data:`PRELOADED` with stdout and stderr kept (each child writes them first), then serve."""
+    here = str(Path(__file__).resolve().parent)
+    if sys.path and sys.path[0] == here:  # the script's folder: not on a run's path
+        del sys.path[0]
+    base = list(sys.path)
+    requests, answers, log = os.dup(0), os.dup(1), os.dup(2)  # fds 0-2: /dev/null, the imports' output, the log
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    kept = [folder / "import.out", folder / "import.err"]
+    for fd, path in enumerate(kept, start=1):
+        opened = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(opened, fd)
+        os.close(opened)
+    before = dict(os.environ)
+    for name in PRELOADED:
+        importlib.import_module(name)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    imports_env = {k: [before.get(k), os.environ.get(k)] for k in {*before, *os.environ}
+                   if before.get(k) != os.environ.get(k)}  # fmt: skip
+    main = importlib.util.find_spec("monai.bundle.__main__").origin
+    setup = _Setup(base, main, (kept[0].read_bytes(), kept[1].read_bytes()), imports_env)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    ready = {"ready": True, "pid": os.getpid(), "python_threads": threading.active_count(),
+             "threads": len(os.listdir("/proc/self/task")), "imports_env": imports_env}  # fmt: skip
+    if ready["python_threads"] != 1 or not hasattr(os, "pidfd_open"):
+        print(f"not fork-safe here: {ready}, pidfd_open: {hasattr(os, 'pidfd_open')}", file=sys.stderr)
+        return
+    os.write(answers, json.dumps(ready).encode() + b"\n")
+    with contextlib.suppress(KeyboardInterrupt):
+        _serve(requests, answers, log, setup)
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    _zygote_main(Path(sys.argv[1]))
+else:
+    atexit.register(_stop)
