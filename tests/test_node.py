@@ -30,6 +30,7 @@ from pathlib import Path
 import pydicom
 import pytest
 import requests
+import zygote
 from conftest import ROOT, foreign_folder, save_weights
 from dicom_factory import Series, ct_slice, write_scanner_study
 from pydicom.uid import CTImageStorage, ExplicitVRLittleEndian, generate_uid
@@ -56,16 +57,19 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def wait_for(condition, what: str, timeout: float = 120.0, log: Path | None = None):
-    """Poll ``condition()`` until it returns something true; fail naming ``what`` (with the node's log) if it never
-    does."""
+def wait_for(condition, what: str, timeout: float = 120.0, log=None):
+    """Poll ``condition()`` until it returns something true; fail naming ``what`` (with the end of ``log``: a file, or
+    a node's output) if it never does."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         found = condition()
         if found:
             return found
         time.sleep(0.2)
-    tail = log.read_text(errors="replace")[-4000:] if log and log.is_file() else ""
+    if hasattr(log, "text"):
+        tail = log.text()[-4000:]
+    else:
+        tail = log.read_text(errors="replace")[-4000:] if log and log.is_file() else ""
     pytest.fail(f"{what}: not within {timeout:.0f} s\n{tail}")
 
 
@@ -237,10 +241,10 @@ def test_a_destination_that_is_down_is_tried_again_later_and_then_given_up(tmp_p
     version.folder.mkdir(parents=True)
     version.record_inferred({"status": "done", "results": []})
     down = Destination("TPS", "127.0.0.1", free_port())
-    record = {**new_record(version, down), "objects": [{"kind": "rtstruct", "file": str(tmp_path / "missing.dcm"),
+    record = {**new_record(version, down), "objects": [{"kind": "rtstruct", "file": str(tmp_path / "result.dcm"),
                                                         "sop_instance_uid": "1.2", "sop_class_uid": "1.2",
                                                         "delivered_at": None}]}  # fmt: skip
-    (tmp_path / "missing.dcm").write_bytes(b"")
+    slices_of(Series(shape=(8, 8, 1), patient_id="RX-3"))[0].save_as(tmp_path / "result.dcm", enforce_file_format=True)
     waits = []
     for attempt in (1, 2, 3):
         before = time.time()
@@ -280,32 +284,60 @@ class ScriptedDestination:
 
 
 class Node:
-    """``monai.bundle run serve`` in its own process, its output in ``log`` (appended across starts)."""
+    """``monai.bundle run serve``, each start a process of its own (forked from the tests' zygote, which imported torch
+    and MONAI once: the node's own inference children are ``python -m monai.bundle`` processes as in use), its output
+    gathered in ``log`` across starts."""
 
     def __init__(self, folder: Path, port: int, destinations: list[str], weights: Path) -> None:
         self.folder, self.port, self.log = folder, port, folder.parent / "node.log"
-        self.command = [sys.executable, "-m", "monai.bundle", "run", "serve", "--config_file",
-                        str(ROOT / "configs" / "inference.yaml"), "--bundle_root", str(ROOT), "--output_dir",
-                        str(folder), "--dicom_port", str(port), "--dicom_bind", "127.0.0.1", "--dicom_destinations",
-                        str(destinations), "--dicom_allowed_callers", "['STORESCU','CLIENT','ORTHANC']",
-                        "--dicom_quiet_s", "1", "--dicom_retry_s", "1", "--dicom_min_free_gb", "0.1",
-                        "--model_path", str(weights), *NETWORK]  # fmt: skip
+        self.live = folder.parent / "node.live.log"  # a start's own output, where it is a process of its own
+        self.argv = ["run", "serve", "--config_file", str(ROOT / "configs" / "inference.yaml"), "--bundle_root",
+                     str(ROOT), "--output_dir", str(folder), "--dicom_port", str(port), "--dicom_bind", "127.0.0.1",
+                     "--dicom_destinations", str(destinations), "--dicom_allowed_callers",
+                     "['STORESCU','CLIENT','ORTHANC']", "--dicom_quiet_s", "1", "--dicom_retry_s", "1",
+                     "--dicom_min_free_gb", "0.1", "--model_path", str(weights), *NETWORK]  # fmt: skip
+        self.started: zygote.Started | None = None
         self.process: subprocess.Popen | None = None
+        self.earlier = ""  # the output of the starts before this one
 
     def start(self) -> None:
-        mark = self.log.stat().st_size if self.log.exists() else 0
-        with self.log.open("a") as log:
-            self.process = subprocess.Popen(self.command, cwd=foreign_folder(), stdout=log, stderr=subprocess.STDOUT)
-        wait_for(lambda: "listening on" in self.log.read_text(errors="replace")[mark:] or self.process.poll(),
-                 "the node listening", 120, self.log)  # fmt: skip
-        assert self.process.poll() is None, self.log.read_text()[-4000:]
+        self.earlier = self.text()
+        self.started = zygote.start(self.argv, foreign_folder(), dict(os.environ))
+        if self.started is None:
+            with self.live.open("w") as log:
+                command = [sys.executable, "-m", "monai.bundle", *self.argv]
+                self.process = subprocess.Popen(command, cwd=foreign_folder(), stdout=log, stderr=subprocess.STDOUT)
+        wait_for(lambda: "listening on" in self.text()[len(self.earlier) :] or self.returncode() is not None,
+                 "the node listening", 120, self)  # fmt: skip
+        assert self.returncode() is None, self.text()[-4000:]
+
+    def returncode(self) -> int | None:
+        if self.started is not None:
+            return self.started.run.returncode if self.started.run.ended.is_set() else None
+        return self.process.poll()
+
+    def signal(self, sig: int) -> int:
+        """Send ``sig``; the node's exit status once it has ended."""
+        if self.started is not None:
+            if sig == signal.SIGKILL:
+                self.started.kill()
+            else:
+                os.kill(self.started.run.pid, sig)
+            assert self.started.run.ended.wait(60), "the node ended"
+        else:
+            self.process.send_signal(sig)
+            self.process.wait(60)
+        self.log.write_text(self.text())
+        return self.returncode()
 
     def kill(self) -> None:
-        self.process.send_signal(signal.SIGKILL)
-        self.process.wait(30)
+        self.signal(signal.SIGKILL)
 
     def text(self) -> str:
-        return self.log.read_text(errors="replace")
+        if self.started is None:
+            return self.earlier + (self.live.read_text(errors="replace") if self.process else "")
+        stdout, stderr = self.started.run.output()
+        return self.earlier + stdout + stderr
 
     def version(self, study: str, number: int = 1) -> Version:
         return Version(self.folder / "studies" / study / f"v{number}")
@@ -390,7 +422,7 @@ def night(tmp_path_factory):
         node.start()
         facts["storescu_a"] = storescu(node_port, base / "study_A" / "SE000002")
         assert facts["storescu_a"].returncode == 0, facts["storescu_a"].stdout + facts["storescu_a"].stderr
-        wait_for(late.holding.is_set, "LATE holding A v1's second object", 180, node.log)
+        wait_for(late.holding.is_set, "LATE holding A v1's second object", 180, node)
         client = AE(ae_title="CLIENT")
         client.add_requested_context(CTImageStorage, ExplicitVRLittleEndian)
         assoc = client.associate("127.0.0.1", node_port, ae_title=NODE_AE)
@@ -407,9 +439,9 @@ def night(tmp_path_factory):
         facts["b_sent"] = {f"{ds.SOPInstanceUID}.dcm": ds for ds in b_slices}
         # ---- 2
         node.start()
-        wait_for(lambda: node.version(study_uid["B"]).inferred, "B inferred", 120, node.log)
+        wait_for(lambda: node.version(study_uid["B"]).inferred, "B inferred", 120, node)
         wait_for(lambda: (node.version(study_uid["A"]).sending(destinations[1]) or {}).get("status") == "delivered",
-                 "A v1 delivered to LATE", 60, node.log)  # fmt: skip
+                 "A v1 delivered to LATE", 60, node)  # fmt: skip
         for path in sorted((base / "study_C").rglob("IM*")):
             requests.post(f"{orthanc_url}/instances", data=path.read_bytes(), timeout=30).raise_for_status()
         lookup = requests.post(f"{orthanc_url}/tools/lookup", data=study_uid["C"], timeout=30).json()
@@ -417,31 +449,32 @@ def night(tmp_path_factory):
         store = {"Resources": [orthanc_study], "Synchronous": True}
         facts["orthanc_store"] = requests.post(f"{orthanc_url}/modalities/gtv/store", json=store, timeout=120)
         c_v1 = node.version(study_uid["C"])
-        wait_for(lambda: c_v1.output_dir.is_dir() and inference_children(c_v1), "C's inference running", 120, node.log)
-        time.sleep(3)  # into its run: MONAI imported, the case being read or inferred
+        wait_for(lambda: c_v1.output_dir.is_dir() and inference_children(c_v1), "C's inference running", 120, node)
+        time.sleep(1)  # into its run: MONAI importing, or the case being read or inferred
         facts["c_inferred_before_kill"] = c_v1.inferred
         node.kill()
         facts["children_after_kill"] = wait_for(lambda: not inference_children(c_v1) and [0], "no child left", 30)
         # ---- 3
         node.start()
         wait_for(lambda: all((c_v1.sending(d) or {}).get("status") == "delivered" for d in destinations),
-                 "C's results at every destination", 180, node.log)  # fmt: skip
+                 "C's results at every destination", 180, node)  # fmt: skip
         a_rest = [base / "study_A" / name for name in ("SE000001", "SE000003", "SE000999")]
         facts["storescu_a_rest"] = storescu(node_port, *a_rest)
         a_v2 = node.version(study_uid["A"], 2)
         wait_for(lambda: all((a_v2.sending(d) or {}).get("status") == "delivered" for d in destinations),
-                 "A v2's results at every destination", 180, node.log)  # fmt: skip
+                 "A v2's results at every destination", 180, node)  # fmt: skip
         facts["intruder"] = storescu(node_port, base / "study_A" / "SE000001", calling="INTRUDER")
-        node.process.send_signal(signal.SIGTERM)
-        facts["returncode"] = node.process.wait(60)
+        facts["returncode"] = node.signal(signal.SIGTERM)
         facts["orthanc_series"] = [requests.get(f"{orthanc_url}/series/{s}", timeout=30).json()["MainDicomTags"]
                                    for s in requests.get(f"{orthanc_url}/studies/{orthanc_study}", timeout=30)
                                    .json()["Series"]]  # fmt: skip
         facts["tps_received"] = tps_log.read_text().split()
         yield facts
     finally:
-        for process in (node.process, tps, orthanc):
-            if process is not None and process.poll() is None:
+        if node.returncode() is None and (node.started or node.process):
+            node.kill()
+        for process in (tps, orthanc):
+            if process.poll() is None:
                 process.kill()
                 process.wait()
         late.release.set()

@@ -283,6 +283,28 @@ def run(
     return subprocess.run(command, cwd=cwd, env=dict(env), capture_output=True, text=True, timeout=timeout)
 
 
+class Started(NamedTuple):
+    """A run left running (a server): its zygote and the run (``pid``, ``ended``, ``returncode``, output files)."""
+
+    zygote: Zygote
+    run: _Run
+
+    def kill(self) -> None:
+        self.zygote.kill(self.run)
+
+
+def start(argv: Sequence[str], cwd: Path, env: Mapping[str, str]) -> Started | None:
+    """``python -m monai.bundle *argv`` forked from this process's zygote and left running (a server the test talks
+    to, stops or kills); None where no zygote serves ``env``: start a process of its own."""
+    zygote = _zygote(env)
+    if zygote is None:
+        return None
+    try:
+        return Started(zygote, zygote.start(argv, cwd, env))
+    except ZygoteError:
+        return None
+
+
 def _stop() -> None:
     if _ZYGOTE is not None:
         _ZYGOTE.close()

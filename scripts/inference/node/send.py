@@ -15,10 +15,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pydicom
+from pydicom.errors import InvalidDicomError
 from pydicom.uid import ExplicitVRLittleEndian, ImplicitVRLittleEndian
-from pynetdicom import AE
+from pynetdicom import AE, _config
 from scripts.inference.node.spool import Version
 
 MAX_WAIT_S = 600.0
@@ -85,6 +87,26 @@ def send(version: Version, destination: Destination, record: dict, calling_ae: s
     return record
 
 
+def _transfer_syntax(path: str) -> str:
+    header = pydicom.dcmread(path, stop_before_pixels=True, specific_tags=["SOPClassUID"])
+    return str(header.file_meta.TransferSyntaxUID)
+
+
+def _store(assoc: AE, path: str) -> Any:
+    """C-STORE of the file at ``path`` as it is encoded on disk (an RTSTRUCT of a large tumour holds thousands of
+    contours: decoding and encoding it again costs seconds); where the destination accepted only another transfer
+    syntax, decoded and encoded in that one."""
+    chunked = _config.STORE_SEND_CHUNKED_DATASET
+    try:
+        _config.STORE_SEND_CHUNKED_DATASET = True
+        return assoc.send_c_store(path)
+    except ValueError:  # no accepted presentation context in the file's own transfer syntax
+        _config.STORE_SEND_CHUNKED_DATASET = False
+        return assoc.send_c_store(path)
+    finally:
+        _config.STORE_SEND_CHUNKED_DATASET = chunked
+
+
 class SendError(RuntimeError):
     """A destination down, refusing, or failing a C-STORE: tried again later."""
 
@@ -96,17 +118,24 @@ def _deliver(version: Version, destination: Destination, record: dict, calling_a
     for obj in pending:
         if not Path(obj["file"]).is_file():
             raise SendError(f"{obj['file']} is missing: the node's folder was changed by hand")
+        try:
+            obj["syntax"] = _transfer_syntax(obj["file"])
+        except (OSError, InvalidDicomError) as err:
+            raise SendError(f"{obj['file']} cannot be read ({err}): the node's folder was changed by hand") from err
     ae = AE(ae_title=calling_ae)
     ae.acse_timeout = ae.dimse_timeout = ae.network_timeout = TIMEOUT_S
-    for sop_class in sorted({o["sop_class_uid"] for o in pending}):
-        ae.add_requested_context(sop_class, [ExplicitVRLittleEndian, ImplicitVRLittleEndian])
+    # a context in each file's own transfer syntax (the file goes as it is encoded), another in the usual ones
+    for sop_class, syntax in sorted({(o["sop_class_uid"], o.pop("syntax")) for o in pending}):
+        ae.add_requested_context(sop_class, [syntax])
+        usual = [s for s in (ExplicitVRLittleEndian, ImplicitVRLittleEndian) if s != syntax]
+        ae.add_requested_context(sop_class, usual)
     assoc = ae.associate(destination.host, destination.port, ae_title=destination.ae_title)
     if not assoc.is_established:
         why = "rejected the association" if assoc.is_rejected else "gave no association (down, unreachable or slow)"
         raise SendError(f"{destination} {why}")
     try:
         for obj in pending:
-            answer = assoc.send_c_store(obj["file"])
+            answer = _store(assoc, obj["file"])
             status = int(answer.get("Status", -1)) if answer else -1
             if status not in STORED:
                 answer = f"with status 0x{status:04X}" if status >= 0 else "with nothing (cut or timed out)"
