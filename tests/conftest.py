@@ -246,8 +246,22 @@ def train_demo(shared: Path) -> Path:
     return record
 
 
+#: the files that take a minute or more and do not wait for the demo's weights, largest first: pytest-xdist hands the
+#: files out in collection order (``--dist loadfile``), so these go first (while the demo trains) and the short files
+#: last, where they fill whichever worker ends first; in the alphabet's order the long files met at the end
+LONG_FIRST = ("test_workflow_cross_validation.py", "test_monailabel.py", "test_node.py", "test_workflow_multi_gpu.py",
+              "test_compilation.py", "test_model_zoo.py", "test_dicomweb.py", "test_deploy.py",
+              "test_workflow_benchmark.py", "test_gpu_proof.py", "test_bench_inference.py")  # fmt: skip
+#: the long files that use the demo's weights, next
+LONG_WITH_DEMO = ("test_workflow_inference.py", "test_slurm.py", "test_workflow_cohort.py", "test_workflow_train.py",
+                  "test_workflow_evaluate.py", "test_workflow_export.py")  # fmt: skip
+
+
 def pytest_collection_modifyitems(config, items) -> None:
-    """Tests marked gpu are skipped, with the reason, where torch sees no CUDA/ROCm device."""
+    """Tests marked gpu are skipped, with the reason, where torch sees no CUDA/ROCm device; the long files first
+    (:data:`LONG_FIRST`, :data:`LONG_WITH_DEMO`), each file's tests in their order."""
+    rank = {name: k for k, name in enumerate(LONG_FIRST + LONG_WITH_DEMO)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
     gpu = [item for item in items if item.get_closest_marker("gpu")]
     if gpu:
         import torch
