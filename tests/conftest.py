@@ -84,10 +84,11 @@ def small_cases(tmp_path_factory) -> tuple[Path, list[dict]]:
 
 
 def bundle_run(
-    *args: str, cwd: Path | None = None, timeout: int = 900, with_faults: bool = False
+    *args: str, cwd: Path | None = None, timeout: int = 900, with_faults: bool = False, command: str = "run"
 ) -> subprocess.CompletedProcess:
     """``python -m monai.bundle run ...`` as a user types it, from ``cwd`` (default: a folder outside the bundle, so
     ``--bundle_root`` is added). ``with_faults``: the configs may name ``faults.<name>`` (tests/faults.py).
+    ``command``: MONAI's subcommand (``ckpt_export``, ...), ``run`` unless given.
 
     The run is a process of its own with this argv, ``cwd`` and environment, but forked from this worker's zygote
     (tests/zygote.py), which imported torch and MONAI once: a ``python -m monai.bundle`` process spends ~6 s on those
@@ -95,7 +96,7 @@ def bundle_run(
     SIGKILL: returncode -9; past ``timeout``: killed, TimeoutExpired). ``BUNDLE_RUN_SUBPROCESS=1`` in the
     environment: every run a ``python -m monai.bundle`` process of its own, as typed (to check that the zygote
     changes nothing)."""
-    argv = ["run", *args]
+    argv = [command, *args]
     if cwd is None:
         cwd = foreign_folder()
         argv += ["--bundle_root", str(ROOT)]

@@ -5,12 +5,9 @@ tests/test_workflow_inference.py.)"""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import torch
 import yaml
-from conftest import ROOT, configs
+from conftest import ROOT, bundle_run, configs
 
 PATCH = [1, 1, *yaml.safe_load((ROOT / "configs" / "demo.yaml").read_text())["roi_size"]]  # the demo's window
 
@@ -19,11 +16,10 @@ def export(demo_run, command: str, filepath, *extra: str) -> tuple[torch.nn.Modu
     """``monai.bundle <command>`` of the demo network at its patch size; the eager network and a test input."""
     tmp, _, _ = demo_run
     weights = tmp / "run" / "model.pt"
-    args = [sys.executable, "-m", "monai.bundle", command, "network_def", "--filepath", str(filepath),
-            "--ckpt_file", str(weights), "--meta_file", str(ROOT / "configs" / "metadata.json"), "--config_file",
-            configs("inference.yaml", "demo.yaml"), "--bundle_root", str(ROOT), "--use_trace", "True",
-            "--input_shape", str(PATCH), *extra]  # fmt: skip
-    result = subprocess.run(args, cwd=filepath.parent, capture_output=True, text=True, timeout=600)
+    args = ["network_def", "--filepath", str(filepath), "--ckpt_file", str(weights), "--meta_file",
+            str(ROOT / "configs" / "metadata.json"), "--config_file", configs("inference.yaml", "demo.yaml"),
+            "--bundle_root", str(ROOT), "--use_trace", "True", "--input_shape", str(PATCH), *extra]  # fmt: skip
+    result = bundle_run(*args, command=command, cwd=filepath.parent, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     from monai.networks.nets import SwinUNETR
     from scripts.training.weights import load_weights
