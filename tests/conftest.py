@@ -103,9 +103,6 @@ def bundle_run(
     env = dict(os.environ)
     if with_faults:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "tests"), str(ROOT), env.get("PYTHONPATH")]))
-    if os.environ.get("BUNDLE_RUN_SUBPROCESS") == "1":
-        command = [sys.executable, "-m", "monai.bundle", *argv]
-        return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
     return zygote.run(argv, cwd, env, timeout)
 
 

@@ -21,7 +21,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from collections import Counter
@@ -239,12 +238,12 @@ def test_with_a_certificate_the_association_is_tls_and_a_plain_one_gets_nowhere(
 def test_a_destination_that_is_down_is_tried_again_later_and_then_given_up(tmp_path):
     version = Version(tmp_path / "studies" / "1.2.3" / "v1")
     version.folder.mkdir(parents=True)
-    version.record_inferred({"status": "done", "results": []})
+    result = tmp_path / "result.dcm"
+    slices_of(Series(shape=(8, 8, 1), patient_id="RX-3"))[0].save_as(result, enforce_file_format=True)
+    version.record_inferred({"status": "done", "results": [["rtstruct", str(result)]]})
     down = Destination("TPS", "127.0.0.1", free_port())
-    record = {**new_record(version, down), "objects": [{"kind": "rtstruct", "file": str(tmp_path / "result.dcm"),
-                                                        "sop_instance_uid": "1.2", "sop_class_uid": "1.2",
-                                                        "delivered_at": None}]}  # fmt: skip
-    slices_of(Series(shape=(8, 8, 1), patient_id="RX-3"))[0].save_as(tmp_path / "result.dcm", enforce_file_format=True)
+    record = new_record(version, down)
+    assert record["objects"][0]["transfer_syntax"] == ExplicitVRLittleEndian, "the file's own, read once"
     waits = []
     for attempt in (1, 2, 3):
         before = time.time()
@@ -290,43 +289,28 @@ class Node:
 
     def __init__(self, folder: Path, port: int, destinations: list[str], weights: Path) -> None:
         self.folder, self.port, self.log = folder, port, folder.parent / "node.log"
-        self.live = folder.parent / "node.live.log"  # a start's own output, where it is a process of its own
         self.argv = ["run", "serve", "--config_file", str(ROOT / "configs" / "inference.yaml"), "--bundle_root",
                      str(ROOT), "--output_dir", str(folder), "--dicom_port", str(port), "--dicom_bind", "127.0.0.1",
                      "--dicom_destinations", str(destinations), "--dicom_allowed_callers",
                      "['STORESCU','CLIENT','ORTHANC']", "--dicom_quiet_s", "1", "--dicom_retry_s", "1",
                      "--dicom_min_free_gb", "0.1", "--model_path", str(weights), *NETWORK]  # fmt: skip
         self.started: zygote.Started | None = None
-        self.process: subprocess.Popen | None = None
         self.earlier = ""  # the output of the starts before this one
 
     def start(self) -> None:
         self.earlier = self.text()
         self.started = zygote.start(self.argv, foreign_folder(), dict(os.environ))
-        if self.started is None:
-            with self.live.open("w") as log:
-                command = [sys.executable, "-m", "monai.bundle", *self.argv]
-                self.process = subprocess.Popen(command, cwd=foreign_folder(), stdout=log, stderr=subprocess.STDOUT)
         wait_for(lambda: "listening on" in self.text()[len(self.earlier) :] or self.returncode() is not None,
                  "the node listening", 120, self)  # fmt: skip
         assert self.returncode() is None, self.text()[-4000:]
 
     def returncode(self) -> int | None:
-        if self.started is not None:
-            return self.started.run.returncode if self.started.run.ended.is_set() else None
-        return self.process.poll()
+        return self.started.poll() if self.started else None
 
     def signal(self, sig: int) -> int:
         """Send ``sig``; the node's exit status once it has ended."""
-        if self.started is not None:
-            if sig == signal.SIGKILL:
-                self.started.kill()
-            else:
-                os.kill(self.started.run.pid, sig)
-            assert self.started.run.ended.wait(60), "the node ended"
-        else:
-            self.process.send_signal(sig)
-            self.process.wait(60)
+        self.started.signal(sig)
+        assert self.started.wait(60) is not None, "the node ended"
         self.log.write_text(self.text())
         return self.returncode()
 
@@ -334,10 +318,7 @@ class Node:
         self.signal(signal.SIGKILL)
 
     def text(self) -> str:
-        if self.started is None:
-            return self.earlier + (self.live.read_text(errors="replace") if self.process else "")
-        stdout, stderr = self.started.run.output()
-        return self.earlier + stdout + stderr
+        return self.earlier + "".join(self.started.output()) if self.started else self.earlier
 
     def version(self, study: str, number: int = 1) -> Version:
         return Version(self.folder / "studies" / study / f"v{number}")
@@ -467,7 +448,7 @@ def night(tmp_path_factory):
         facts["tps_received"] = tps_log.read_text().split()
         yield facts
     finally:
-        if node.returncode() is None and (node.started or node.process):
+        if node.started and node.returncode() is None:
             node.kill()
         for process in (tps, orthanc):
             if process.poll() is None:

@@ -6,8 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
-import sys
+import signal
 import time
 from pathlib import Path
 
@@ -110,21 +109,13 @@ def resumed(tmp_path_factory, tiny_data) -> dict[str, Path | str]:
     # started as model-zoo READMEs spell it: `run training`
     argv = ["run", "training", *demo_args(tmp / "b", resume="true", **shared), "--bundle_root", str(ROOT)]
     crashed = zygote.start(argv, tmp, dict(os.environ))  # a process of its own, forked from the tests' zygote
-    command = [sys.executable, "-m", "monai.bundle", *argv]
-    with (tmp / "killed.log").open("w") as out:
-        process = None if crashed else subprocess.Popen(command, cwd=tmp, stdout=out, stderr=subprocess.STDOUT)
-    running = (lambda: not crashed.run.ended.is_set()) if crashed else (lambda: process.poll() is None)
     deadline = time.monotonic() + 600
-    while not latest.exists() and running() and time.monotonic() < deadline:
+    while not latest.exists() and crashed.poll() is None and time.monotonic() < deadline:
         time.sleep(0.2)
-    if crashed:
-        crashed.kill()
-        crashed.run.ended.wait(60)
-        (tmp / "killed.log").write_text("".join(crashed.run.output()))
-    else:
-        process.kill()
-        process.wait()
+    crashed.signal(signal.SIGKILL)
+    crashed.wait()
     log = tmp / "killed.log"
+    log.write_text("".join(crashed.output()))
     second = bundle_run(*demo_args(tmp / "b", resume="true", **shared))
     assert second.returncode == 0, second.stderr[-3000:]
     return {"a": tmp / "a", "b": tmp / "b", "killed_log": log.read_text(), "second_log": second.stdout + second.stderr}

@@ -59,6 +59,9 @@ PRELOADED = ("torch", "monai", "monai.bundle")
 #: run first compiles (the bundle's compile cache sets TORCHINDUCTOR_CACHE_DIR in the tests' own process)
 IMPORT_TIME_ENV = ("PYTHON", "OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "GOTO", "LD_", "LANG", "LC_", "TORCH_",
                    "PYTORCH_", "MONAI_", "CUDA_", "NUMEXPR_")  # fmt: skip
+#: ``BUNDLE_RUN_SUBPROCESS=1`` in the tests' environment: every run a process of its own (to check the zygote changes
+#: nothing)
+SUBPROCESS = "BUNDLE_RUN_SUBPROCESS"
 #: how long a killed run or an ending zygote is waited for
 GRACE_S = 60
 # where the zygote's folders go: the temporary folder as this module was imported, before any test set TMPDIR
@@ -242,8 +245,11 @@ _MISMATCHES: list[list[str]] = []  # the import-time variables that sent runs to
 
 def _zygote(env: Mapping[str, str]) -> Zygote | None:
     """This process's zygote for a run with ``env``: started on first use, and again if it ended; None where none
-    serves ``env`` (its import-time settings are not the zygote's, or the zygote failed to start twice)."""
+    serves ``env`` (its import-time settings are not the zygote's, the zygote failed to start twice, or
+    ``BUNDLE_RUN_SUBPROCESS=1`` asks for processes of their own)."""
     global _ZYGOTE
+    if os.environ.get(SUBPROCESS) == "1":
+        return None
     with _STARTING:
         if _ZYGOTE is not None and not _ZYGOTE.alive:
             _ZYGOTE.close()
@@ -283,26 +289,60 @@ def run(
     return subprocess.run(command, cwd=cwd, env=dict(env), capture_output=True, text=True, timeout=timeout)
 
 
-class Started(NamedTuple):
-    """A run left running (a server): its zygote and the run (``pid``, ``ended``, ``returncode``, output files)."""
+class Started:
+    """A ``python -m monai.bundle`` run left running (a server a test talks to, stops or kills): forked from the
+    zygote, or a process of its own where none serves; either way ``poll``, ``signal``, ``wait`` and ``output`` as a
+    ``subprocess.Popen`` whose stdout and stderr go to files."""
 
-    zygote: Zygote
-    run: _Run
+    def __init__(self, argv: Sequence[str], cwd: Path, env: Mapping[str, str]) -> None:
+        self.zygote, self.run, self.process = _zygote(env), None, None
+        if self.zygote is not None:
+            with contextlib.suppress(ZygoteError):
+                self.run = self.zygote.start(argv, cwd, env)
+        if self.run is None:
+            self.folder = Path(tempfile.mkdtemp(prefix="started-", dir=_TMP))
+            with (self.folder / "out").open("wb") as out, (self.folder / "err").open("wb") as err:
+                command = [sys.executable, "-m", "monai.bundle", *argv]
+                self.process = subprocess.Popen(command, cwd=cwd, env=dict(env), stdout=out, stderr=err)
 
-    def kill(self) -> None:
-        self.zygote.kill(self.run)
+    @property
+    def pid(self) -> int | None:
+        return self.run.pid if self.run is not None else self.process.pid
+
+    def poll(self) -> int | None:
+        """The exit status once the run has ended, else None."""
+        if self.run is not None:
+            return self.run.returncode if self.run.ended.is_set() else None
+        return self.process.poll()
+
+    def signal(self, sig: int) -> None:
+        """``sig`` to the run, if it still runs (SIGKILL by its parent, the zygote: never a reused pid)."""
+        if self.run is None:
+            self.process.send_signal(sig)
+        elif sig == signal.SIGKILL:
+            self.zygote.kill(self.run)
+        elif not self.run.ended.is_set():
+            os.kill(self.run.pid, sig)
+
+    def wait(self, timeout: float = GRACE_S) -> int | None:
+        """The exit status once the run has ended (None: still running after ``timeout``)."""
+        if self.run is not None:
+            self.run.ended.wait(timeout)
+            return self.poll()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(timeout)
+        return self.poll()
+
+    def output(self) -> tuple[str, str]:
+        """What the run wrote to stdout and stderr so far."""
+        if self.run is not None:
+            return self.run.output()
+        return tuple((self.folder / name).read_text(errors="replace") for name in ("out", "err"))
 
 
-def start(argv: Sequence[str], cwd: Path, env: Mapping[str, str]) -> Started | None:
-    """``python -m monai.bundle *argv`` forked from this process's zygote and left running (a server the test talks
-    to, stops or kills); None where no zygote serves ``env``: start a process of its own."""
-    zygote = _zygote(env)
-    if zygote is None:
-        return None
-    try:
-        return Started(zygote, zygote.start(argv, cwd, env))
-    except ZygoteError:
-        return None
+def start(argv: Sequence[str], cwd: Path, env: Mapping[str, str]) -> Started:
+    """``python -m monai.bundle *argv`` from ``cwd`` with ``env``, left running (see :class:`Started`)."""
+    return Started(argv, cwd, env)
 
 
 def _stop() -> None:

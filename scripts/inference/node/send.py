@@ -57,7 +57,8 @@ def new_record(version: Version, destination: Destination) -> dict:
     for kind, path in (version.inferred or {}).get("results", []):
         ds = pydicom.dcmread(path, stop_before_pixels=True, specific_tags=["SOPInstanceUID", "SOPClassUID"])
         objects.append({"kind": kind, "file": str(path), "sop_instance_uid": str(ds.SOPInstanceUID),
-                        "sop_class_uid": str(ds.SOPClassUID), "delivered_at": None})  # fmt: skip
+                        "sop_class_uid": str(ds.SOPClassUID),
+                        "transfer_syntax": str(ds.file_meta.TransferSyntaxUID), "delivered_at": None})  # fmt: skip
     return {"destination": str(destination), "status": "pending", "attempts": 0, "last_error": None, "next_try": 0.0,
             "objects": objects}  # fmt: skip
 
@@ -87,11 +88,6 @@ def send(version: Version, destination: Destination, record: dict, calling_ae: s
     return record
 
 
-def _transfer_syntax(path: str) -> str:
-    header = pydicom.dcmread(path, stop_before_pixels=True, specific_tags=["SOPClassUID"])
-    return str(header.file_meta.TransferSyntaxUID)
-
-
 def _store(assoc: AE, path: str) -> Any:
     """C-STORE of the file at ``path`` as it is encoded on disk (an RTSTRUCT of a large tumour holds thousands of
     contours: decoding and encoding it again costs seconds); where the destination accepted only another transfer
@@ -118,14 +114,10 @@ def _deliver(version: Version, destination: Destination, record: dict, calling_a
     for obj in pending:
         if not Path(obj["file"]).is_file():
             raise SendError(f"{obj['file']} is missing: the node's folder was changed by hand")
-        try:
-            obj["syntax"] = _transfer_syntax(obj["file"])
-        except (OSError, InvalidDicomError) as err:
-            raise SendError(f"{obj['file']} cannot be read ({err}): the node's folder was changed by hand") from err
     ae = AE(ae_title=calling_ae)
     ae.acse_timeout = ae.dimse_timeout = ae.network_timeout = TIMEOUT_S
     # a context in each file's own transfer syntax (the file goes as it is encoded), another in the usual ones
-    for sop_class, syntax in sorted({(o["sop_class_uid"], o.pop("syntax")) for o in pending}):
+    for sop_class, syntax in sorted({(o["sop_class_uid"], o["transfer_syntax"]) for o in pending}):
         ae.add_requested_context(sop_class, [syntax])
         usual = [s for s in (ExplicitVRLittleEndian, ImplicitVRLittleEndian) if s != syntax]
         ae.add_requested_context(sop_class, usual)
@@ -135,7 +127,10 @@ def _deliver(version: Version, destination: Destination, record: dict, calling_a
         raise SendError(f"{destination} {why}")
     try:
         for obj in pending:
-            answer = _store(assoc, obj["file"])
+            try:
+                answer = _store(assoc, obj["file"])
+            except (OSError, InvalidDicomError) as err:
+                raise SendError(f"{obj['file']} cannot be read ({err}): the node's folder was changed by hand") from err
             status = int(answer.get("Status", -1)) if answer else -1
             if status not in STORED:
                 answer = f"with status 0x{status:04X}" if status >= 0 else "with nothing (cut or timed out)"

@@ -77,7 +77,8 @@ def serve(
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())
-    recovered = _recover(spool)
+    versions = spool.versions()
+    recovered = _recover(spool, versions)
     receiver = Receiver(spool, ae_title, port, bind, allowed, min_free_gb, tls_cert, tls_key, tls_ca)
     receiver.start()
     logger.info("DICOM node %s listening on %s:%d%s; queue %s; results to %s; callers: %s; %s", ae_title, bind,
@@ -86,7 +87,6 @@ def serve(
                 ", ".join(sorted(allowed)) if allowed is not None else "any AE title", recovered)  # fmt: skip
     if allowed is None:
         logger.warning("dicom_allowed_callers is not set: any calling AE title may send this node CTs")
-    versions = spool.versions()
     outbox: queue.Queue[Version] = queue.Queue()  # versions inferred: the sender's to look at
     for version in versions:
         outbox.put(version)
@@ -129,11 +129,10 @@ def _as_list(value: Sequence[str] | str) -> list[str]:
     return [str(v) for v in value]
 
 
-def _recover(spool: Spool) -> str:
-    """What a killed node left, made whole: unacknowledged instances removed, versions completed, failed sendings
+def _recover(spool: Spool, versions: list[Version]) -> str:
+    """What a killed node left, made whole: unacknowledged instances removed, ``versions`` completed, failed sendings
     tried again. Returns a summary for the start's log line."""
     removed = spool.remove_unacknowledged()
-    versions = spool.versions()
     for version in versions:
         if version.received is None:
             spool.complete(version)
@@ -265,34 +264,49 @@ def _log_inferred(version: Version, outcome: dict) -> None:
 def _send_loop(outbox: queue.Queue, targets: list[Destination], ae_title: str, retry_s: float, attempts: int,
                stop: threading.Event, poll_s: float) -> None:  # fmt: skip
     """Deliver the results of every version the outbox brings to every destination, each when its back-off allows;
-    a version leaves the list once nothing of it is left to send."""
-    pending: list[Version] = []
+    a version leaves the list once nothing of it is left to send. Each version's records are read from disk once and
+    kept here, so a destination that is down costs no I/O between its tries."""
+    pending: dict[Version, dict[str, dict]] = {}  # version -> destination -> its sending record, as written
     while not stop.is_set():
         while not outbox.empty():
-            pending.append(outbox.get())
-        for version in list(pending):
+            version = outbox.get()
+            try:
+                records = _records(version, targets)
+            except Exception:  # logged; the other versions go on
+                logger.exception("%s: its results cannot be read; tried again when the node starts again", version.name)
+                continue
+            if records:
+                pending[version] = records
+        for version, records in list(pending.items()):
             if stop.is_set():
                 break
             try:
-                left = _send_version(version, targets, ae_title, retry_s, attempts)
+                left = _send_version(version, records, targets, ae_title, retry_s, attempts)
             except Exception:  # logged; the other versions go on
                 logger.exception("%s: sending failed; it is tried again when the node starts again", version.name)
                 left = False
             if not left:
-                pending.remove(version)
+                del pending[version]
         stop.wait(poll_s)
 
 
-def _send_version(version: Version, targets: list[Destination], ae_title: str, retry_s: float, attempts: int) -> bool:
-    """Try each destination that is due; whether anything of the version is left to send."""
+def _records(version: Version, targets: list[Destination]) -> dict[str, dict]:
+    """Each destination's sending record of an inferred version (a new one where none was written yet); none for a
+    version with nothing to send."""
     outcome = version.inferred or {}
     if outcome.get("status") != "done" or not outcome.get("results"):
-        return False
+        return {}
+    return {str(target): version.sending(str(target)) or new_record(version, target) for target in targets}
+
+
+def _send_version(version: Version, records: dict[str, dict], targets: list[Destination], ae_title: str,
+                  retry_s: float, attempts: int) -> bool:  # fmt: skip
+    """Try each destination that is due (``records`` updated); whether anything of the version is left to send."""
     left = False
     for target in targets:
-        record = version.sending(str(target)) or new_record(version, target)
+        record = records[str(target)]
         if due(record):
-            record = send(version, target, record, ae_title, retry_s, attempts)
+            record = records[str(target)] = send(version, target, record, ae_title, retry_s, attempts)
             _log_sent(version, target, record, attempts)
         left |= record["status"] == "pending"
     return left

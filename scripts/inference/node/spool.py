@@ -127,7 +127,8 @@ class Spool:
         self.incoming.mkdir(parents=True, exist_ok=True)
         self.studies.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()  # an instance written, or a study frozen: never both at once
-        self._last_received: dict[str, float] = {}
+        self._last_received: dict[str, float] = {}  # study -> when its last instance arrived
+        self._senders: dict[str, list[str]] = {}  # study -> the calling AE titles of incoming/<study>/.senders.json
 
     # -------------------------------------------------------------------------------------------- receiving
     def remove_unacknowledged(self) -> int:
@@ -155,9 +156,12 @@ class Spool:
             finally:
                 tmp.unlink(missing_ok=True)
             _sync_folder(folder)
-            senders = _read(folder / SENDERS) or {"senders": []}
-            if sender not in senders["senders"]:
-                write_json(folder / SENDERS, {"senders": [*senders["senders"], sender]})
+            known = self._senders.get(study_uid)
+            if known is None:  # the study's first instance since this node started: its file, if any, once
+                known = self._senders[study_uid] = (_read(folder / SENDERS) or {"senders": []})["senders"]
+            if sender not in known:
+                known.append(sender)
+                write_json(folder / SENDERS, {"senders": known})
             self._last_received[study_uid] = time.time()
         return path
 
@@ -174,9 +178,9 @@ class Spool:
             if study in busy:
                 continue
             last = self._last_received.get(study)
-            if last is None:
+            if last is None:  # received before this node started: the files' times, looked at once
                 times = [p.stat().st_mtime for p in folder.glob("*.dcm")]
-                last = max(times, default=0.0)
+                last = self._last_received[study] = max(times, default=0.0)
             if now - last >= quiet_s:
                 quiet.append(study)
         return quiet
@@ -190,6 +194,7 @@ class Spool:
             if not any(folder.glob("*.dcm")):
                 shutil.rmtree(folder, ignore_errors=True)
                 self._last_received.pop(study_uid, None)
+                self._senders.pop(study_uid, None)
                 return None
             versions = self.studies / study_uid
             number = 1 + max((_number(p) for p in versions.glob("v*")), default=0)
@@ -197,6 +202,7 @@ class Spool:
             version.folder.mkdir(parents=True)
             os.rename(folder, version.input_dir)
             self._last_received.pop(study_uid, None)
+            self._senders.pop(study_uid, None)
             _move_senders(version)
         self.complete(version)
         return version
