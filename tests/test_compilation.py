@@ -9,11 +9,10 @@ import copy
 import json
 import logging
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
+import zygote
 from conftest import ROOT
 from monai.bundle import ConfigParser
 from monai.networks.nets import BasicUNet, SwinUNETR
@@ -169,8 +168,7 @@ def test_a_second_process_compiles_from_the_cache_the_first_filled(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHINDUCTOR_")}
     runs = []
     for _ in range(2):
-        done = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path / "cache")], cwd=ROOT, env=env,
-                              capture_output=True, text=True, timeout=300)  # fmt: skip
+        done = zygote.run_python(["-c", CHILD, str(tmp_path / "cache")], ROOT, env, timeout=300)
         assert done.returncode == 0, done.stderr[-3000:]
         runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
     first, second = runs

@@ -16,12 +16,13 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
+import signal
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+import zygote
 
 ROOT = Path(__file__).resolve().parents[1]
 INFERENCE = str(ROOT / "configs" / "inference.yaml")
@@ -69,11 +70,9 @@ def deployed(tmp_path_factory):
     truth = write_case(tmp / "cases", "P1", seed=1, shape=(48, 48, 16), pixel_spacing=(2.0, 2.0))
 
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # nothing of the bundle on the path
-    app = subprocess.Popen(
-        [sys.executable, __file__, "--input", truth["image_dir"], "--output", str(tmp / "deploy"), "--model",
-         str(tmp / "models" / "model.ts")],
-        cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+    # a process of its own, forked from the tests' zygote (tests/zygote.py), which has imported torch and MONAI
+    app = zygote.start_python([__file__, "--input", truth["image_dir"], "--output", str(tmp / "deploy"), "--model",
+                               str(tmp / "models" / "model.ts")], tmp, env)  # fmt: skip
     try:
         ours = ConfigWorkflow(config_file=INFERENCE, workflow_type="infer", logging_file=False, bundle_root=str(ROOT),
                               input_dir=str(tmp / "cases"), output_dir=str(tmp / "ours"), model_path=str(weights),
@@ -82,12 +81,13 @@ def deployed(tmp_path_factory):
         ours.initialize()
         ours.run()
         ours.finalize()
-        log, _ = app.communicate(timeout=600)
+        returncode = app.wait(600)
+        log = "".join(app.output())
     finally:
-        app.kill()
-    if app.returncode == CANNOT_IMPORT:
+        app.signal(signal.SIGKILL)
+    if returncode == CANNOT_IMPORT:
         pytest.skip(f"monai-deploy-app-sdk cannot be imported here: {log.strip().splitlines()[-1]}")
-    assert app.returncode == 0, log[-4000:]
+    assert returncode == 0, log[-4000:]
     return truth, tmp / "ours" / "P1" / "P1_seg.nii.gz", tmp / "deploy"
 
 

@@ -23,12 +23,11 @@ import glob
 import json
 import re
 import shlex
-import subprocess
-import sys
 from functools import cache
 from pathlib import Path
 
 import pytest
+import zygote
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -122,13 +121,8 @@ def test_every_module_the_docs_run_answers_help(tmp_path):
     (a command that runs instead, or fails, is reported)."""
     modules = shown_modules()
     assert "monai.bundle" in modules and "scripts.prepare" in modules, sorted(modules)
-    done = subprocess.run(
-        [sys.executable, "-c", _HELP_CHECK, str(ROOT), *sorted(modules)],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    # a process of its own, forked from the tests' zygote (tests/zygote.py), which has imported torch and MONAI
+    done = zygote.run_python(["-c", _HELP_CHECK, str(ROOT), *sorted(modules)], tmp_path, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads(done.stdout.strip().splitlines()[-1])
     failed = {

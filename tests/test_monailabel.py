@@ -57,6 +57,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import zygote
 
 ROOT = Path(__file__).resolve().parents[1]
 NAME = "nsclc_swinunetr"
@@ -70,6 +71,8 @@ SMALL_TRAINING = {"val_interval": 1, "num_workers": 0, "cache": "none", "warmup_
 PHANTOM_GRID = [4.0, 4.0, 6.0]
 MONAILABEL_MISSING = importlib.util.find_spec("monailabel") is None
 INSTALL = "pip install --no-deps -r requirements-monailabel.txt (what CI installs; see that file)"
+#: the variable that names the command starting the training process in place of ``python`` (the tests' zygote)
+TRAIN_LAUNCHER = "TESTS_TRAIN_LAUNCHER"
 REQUESTS = 20  # inference requests the MONAI Label program serves in one process, a training round halfway
 
 
@@ -368,9 +371,13 @@ def monai_label(tiny_data, tmp_path_factory):
     (work / "request.json").write_text(json.dumps({"nifti": str(next(studies.glob(f"{first}.nii*"))),
                                                    "dicom": truth["image_dir"]}))  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # nothing of the bundle on the path
+    # the program and its training process: processes of their own forked from the tests' zygote (tests/zygote.py),
+    # which has imported torch and MONAI (the training process by way of TRAIN_LAUNCHER)
+    launch = zygote.launcher(env)
+    if launch is not None:
+        env.update(launch[1], **{TRAIN_LAUNCHER: shlex.join(launch[0])})
     started = time.perf_counter()
-    done = subprocess.run([sys.executable, __file__, str(work)], cwd=work, env=env, capture_output=True, text=True,
-                          timeout=600)  # fmt: skip
+    done = zygote.run_python([__file__, str(work)], work, env, timeout=600)
     log = done.stdout + done.stderr
     if done.returncode == CANNOT_IMPORT:
         pytest.skip(f"monailabel cannot be imported here: {log.strip().splitlines()[-1]} ({INSTALL})")
@@ -638,7 +645,8 @@ def run_monai_label(work: Path) -> int:
     start = time.perf_counter()
     # in a process of its own, as the server's POST /train runs it (AsyncTask: python -m
     # monailabel.interfaces.utils.app -m train), which writes models/model.pt for this process to reload
-    subprocess.run([sys.executable, __file__, "--train", str(work)], cwd=work, check=True)
+    launch = shlex.split(os.environ.get(TRAIN_LAUNCHER, "")) or [sys.executable]
+    subprocess.run([*launch, __file__, "--train", str(work)], cwd=work, check=True)
     results["train"] = json.loads((work / "train.json").read_text())
     seconds["train"] = round(time.perf_counter() - start, 1)
     infer("after_training", request["nifti"])

@@ -10,9 +10,8 @@ import csv
 import json
 import os
 import re
+import shlex
 import shutil
-import signal
-import subprocess
 import sys
 import time
 
@@ -20,6 +19,7 @@ import highdicom as hd
 import numpy as np
 import pytest
 import torch
+import zygote
 from conftest import MECHANICS_NETWORK, ROOT, TINY_CASES, TINY_SHAPE, configs
 
 MAX_EPOCHS = 2
@@ -41,32 +41,38 @@ def trained_epochs(output: str) -> list[int]:
 @pytest.fixture(scope="module")
 def cross_validated(small_cases, tmp_path_factory) -> dict:
     """Four small cases (three training cases in folds 0/1, one test case); the CV command killed once fold 1 has
-    saved its first epoch, then run again to the end."""
+    saved its first epoch, then run again to the end. The command and each fold's ``python -m monai.bundle`` are
+    processes of their own forked from the tests' zygote (the folds by way of ``--launcher``, tests/zygote.py), which
+    has imported torch and MONAI: each would spend ~7 s on those imports, five times."""
     from scripts.data.prepare import prepare
 
     data, truths = small_cases
     tmp = tmp_path_factory.mktemp("cross_validation")
     prepare(data, tmp / "prepared", num_folds=2, val_fraction=0.0, test_fraction=0.25, num_workers=1, progress=False)
-    command = [sys.executable, "-m", "scripts.cross_validation", "run", "--config_file",
-               configs("train.yaml", "demo.yaml"), "--output_dir", str(tmp / "cv"), "--dataset_dir", str(data),
-               "--prepared_dir", str(tmp / "prepared")]  # fmt: skip
+    command = ["-m", "scripts.cross_validation", "run", "--config_file", configs("train.yaml", "demo.yaml"),
+               "--output_dir", str(tmp / "cv"), "--dataset_dir", str(data), "--prepared_dir",
+               str(tmp / "prepared")]  # fmt: skip
     for key, value in SETTINGS.items():
         command += [f"--{key}", str(value)]
+    env, launch = dict(os.environ), zygote.launcher()
+    if launch is not None:
+        command += ["--launcher", shlex.join(launch[0])]
+        env.update(launch[1])
     fold_1 = tmp / "cv" / "fold_1" / "checkpoints" / "latest.pt"
-    with (tmp / "killed.log").open("w") as log:
-        first = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + 1200
-        while not fold_1.exists() and first.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.2)
-        os.killpg(first.pid, signal.SIGKILL)  # the CLI and the fold it runs, in fold 1's second epoch
-        first.wait()
+    first = zygote.start_python(command, ROOT, env, new_session=True)
+    deadline = time.monotonic() + 1200
+    while not fold_1.exists() and first.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    first.kill_group()  # the CLI and the fold it runs, in fold 1's second epoch
+    first.wait()
+    killed = "".join(first.output())
     fold_0 = tmp / "cv" / "fold_0"
     before = {p: p.read_bytes() for p in (fold_0 / "model.pt", fold_0 / "checkpoints" / "latest.pt")}
-    second = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=1800)
+    second = zygote.run_python(command, ROOT, env, timeout=1800)
     assert second.returncode == 0, second.stdout[-4000:] + second.stderr[-4000:]
     datalist = json.loads((tmp / "prepared" / "datalist.json").read_text())
     return {"tmp": tmp, "cv": tmp / "cv", "truths": truths, "datalist": datalist, "fold_0_before": before,
-            "killed": (tmp / "killed.log").read_text(), "second": second.stdout + second.stderr}  # fmt: skip
+            "killed": killed, "second": second.stdout + second.stderr}  # fmt: skip
 
 
 def test_each_fold_trains_into_its_own_folder_and_a_killed_run_resumes_fold_1_only(cross_validated):
@@ -211,13 +217,13 @@ def test_folds_trained_under_torchrun_with_multi_gpu_train_are_evaluated_in_this
     Mechanics only: the small network, one fold of the tiny cases (every fold is trained and evaluated alike; each
     costs a torchrun start), one epoch."""
     launcher = f"{sys.executable} -m torch.distributed.run --standalone --nproc_per_node=1"
-    command = [sys.executable, "-m", "scripts.cross_validation", "run", "--config_file",
+    command = ["-m", "scripts.cross_validation", "run", "--config_file",
                configs("train.yaml", "demo.yaml", "multi_gpu_train.yaml"), "--launcher", launcher, "--folds", "1",
                "--output_dir", str(tmp_path / "cv"), "--dataset_dir", str(tiny_data / "data"), "--prepared_dir",
                str(tiny_data / "prepared"), "--demo_cases", str(TINY_CASES), "--demo_shape", str(list(TINY_SHAPE)),
                "--network_def", MECHANICS_NETWORK, "--num_samples", "1", "--max_epochs", "1", "--val_interval", "1",
                "--eval_pictures", "0", "--inference_backend", "torch", "--compare_test", "false"]  # fmt: skip
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    result = zygote.run_python(command, ROOT, timeout=600)  # the CLI forked from the zygote; its fold: torchrun's
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-4000:]
     assert output.count("process group: rank 0 of 1, backend gloo") == 1, "the fold trained as a DDP rank"

@@ -22,16 +22,32 @@ them otherwise gets a process of its own (with a warning, once). The variables t
 (OpenCV's LD_LIBRARY_PATH and QT_*, scikit-learn's KMP_*, MONAI's CUBLAS_WORKSPACE_CONFIG, GDCM's resources) are set
 in each child's environment as the imports would have set them in a process of its own.
 
-Protocol, one JSON line each way: a request ``{"id", "argv", "cwd", "env", "stdout", "stderr", "cpus"}`` is answered
-``{"id", "pid"}`` once forked and ``{"id", "returncode"}`` once ended (runs overlap: the zygote waits on pidfds);
-``{"kill": id}`` sends the run SIGKILL (the zygote, its parent, kills it only while it has not reaped it, so never a
-reused pid). Run as a script (``python zygote.py FOLDER``) this module is the zygote; imported, :func:`run` is its
-client, with one zygote per process, started on first use and ended when the process ends.
+Not only ``python -m monai.bundle``: a run is any ``python ARGS`` whose ARGS are ``-m MODULE ...``, ``-c CODE ...``
+or ``SCRIPT ...`` (:func:`run_python`, :func:`start_python`); ``sys.path``, ``sys.argv`` and ``__main__`` are set as
+the interpreter sets them for each form. The imports' output is written first only for ``-m monai.bundle``, the run
+whose own imports would write it (a ``-c`` or a script may never import MONAI).
+
+Protocol, one JSON line each way: a request ``{"id", "args", "cwd", "env", "stdout", "stderr", "cpus",
+"new_session"}`` is answered ``{"id", "pid"}`` once forked and ``{"id", "returncode"}`` once ended (runs overlap: the
+zygote waits on pidfds); ``{"kill": id, "group": bool}`` sends the run (or its session's process group) SIGKILL (the
+zygote, its parent, kills only while it has not reaped it, so never a reused pid). Run as a script (``python zygote.py
+FOLDER``) this module is the zygote; imported, :func:`run` is its client, with one zygote per process, started on first
+use and ended when the process ends.
+
+Processes the tests do not start themselves (the folds that ``scripts.cross_validation`` starts, MONAI Label's training
+process) reach the zygote through a Unix socket, ``FOLDER/zygote.sock`` (:func:`launcher`): ``python zygote.py --exec
+ARGS`` sends its ARGS, working directory, environment, CPUs and fds 0-2 (SCM_RIGHTS), the zygote forks the run on
+those fds in a session of its own and answers its pid, then its exit status; the client passes on the signals a
+launcher receives (TERM, INT, HUP, USR1, USR2) and ends as the run ended. A client that dies (``kill -9`` of the
+process group it is in) takes its run's session with it: the zygote sees its connection close and kills the session.
+Where the zygote refuses (a setting read at start-up differs) or cannot be reached, the client ``exec``s ``python
+ARGS`` itself.
 """
 
 from __future__ import annotations
 
 import atexit
+import builtins
 import contextlib
 import importlib
 import importlib.util
@@ -42,11 +58,13 @@ import runpy
 import select
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import traceback
+import types
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -64,6 +82,14 @@ IMPORT_TIME_ENV = ("PYTHON", "OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "GOTO
 SUBPROCESS = "BUNDLE_RUN_SUBPROCESS"
 #: how long a killed run or an ending zygote is waited for
 GRACE_S = 60
+#: the zygote's socket, in its folder: a request per connection (a JSON line, fds 0-2 with its first bytes)
+SOCKET_NAME = "zygote.sock"
+#: the variable that names the socket to a client (``python zygote.py --exec``)
+SOCKET_ENV = "TESTS_ZYGOTE_SOCKET"
+#: the signals a client passes on to its run, as a launcher does
+PASSED_ON = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+#: the bundle's command, as ``python`` takes it
+BUNDLE = ("-m", "monai.bundle")
 # where the zygote's folders go: the temporary folder as this module was imported, before any test set TMPDIR
 _TMP = Path(tempfile.gettempdir())
 
@@ -77,8 +103,21 @@ class ZygoteError(RuntimeError):
 
 
 def import_settings(env: Mapping[str, str]) -> dict[str, str]:
-    """The variables of ``env`` that take effect as a process starts (a zygote's are those it started with)."""
-    return {k: v for k, v in env.items() if k.startswith(IMPORT_TIME_ENV) and k != "PYTHONPATH"}
+    """The variables of ``env`` that take effect as a process starts (a zygote's are those it started with); not
+    MONAI Label's (MONAI_LABEL_*: read as monailabel is imported, which the zygote does not import)."""
+    return {k: v for k, v in env.items()
+            if k.startswith(IMPORT_TIME_ENV) and k != "PYTHONPATH" and not k.startswith("MONAI_LABEL_")}  # fmt: skip
+
+
+def python_form(args: Sequence[str]) -> tuple[str, str, list[str]] | None:
+    """``python ARGS`` as the zygote runs it: ``("module" | "code" | "path", target, argv after it)``, or None for a
+    form it does not run (interpreter options such as ``-u`` or ``-X``: a process of its own)."""
+    args = list(args)
+    if len(args) >= 2 and args[0] in ("-m", "-c"):
+        return ("module" if args[0] == "-m" else "code"), args[1], args[2:]
+    if args and not args[0].startswith("-"):
+        return "path", args[0], args[1:]
+    return None
 
 
 def differing_settings(zygote: Mapping[str, str], run: Mapping[str, str], imports: Mapping[str, list]) -> list[str]:
@@ -176,15 +215,17 @@ class Zygote:
         self.process.stdin.write(json.dumps(request).encode() + b"\n")
         self.process.stdin.flush()
 
-    def start(self, argv: Sequence[str], cwd: Path, env: Mapping[str, str]) -> _Run:
-        """Ask for the run of ``python -m monai.bundle *argv``; it runs while the caller waits on its ``ended``."""
+    def start(self, args: Sequence[str], cwd: Path, env: Mapping[str, str], new_session: bool = False) -> _Run:
+        """Ask for the run of ``python *args`` (in a session of its own with ``new_session``); it runs while the caller
+        waits on its ``ended``."""
         with self._lock:
             if not self.alive:
                 raise ZygoteError(f"the zygote has ended: {self.log()}")
             run = _Run(next(self._ids), self.folder)
             self._runs[run.id] = run
-            request = {"id": run.id, "argv": list(argv), "cwd": str(cwd), "env": dict(env), "stdout": str(run.stdout),
-                       "stderr": str(run.stderr), "cpus": sorted(os.sched_getaffinity(0))}  # fmt: skip
+            request = {"id": run.id, "args": list(args), "cwd": str(cwd), "env": dict(env), "stdout": str(run.stdout),
+                       "stderr": str(run.stderr), "cpus": sorted(os.sched_getaffinity(0)),
+                       "new_session": new_session}  # fmt: skip
             try:
                 self._send(request)
             except OSError as error:
@@ -193,20 +234,20 @@ class Zygote:
                 raise ZygoteError(f"the zygote has ended ({error}): {self.log()}") from error
         return run
 
-    def kill(self, run: _Run) -> None:
-        """SIGKILL to ``run`` if it still runs."""
+    def kill(self, run: _Run, group: bool = False) -> None:
+        """SIGKILL to ``run`` (``group``: to its session's process group) if it still runs."""
         with self._lock, contextlib.suppress(OSError):
-            self._send({"kill": run.id})
+            self._send({"kill": run.id, "group": group})
 
     def run(
-        self, argv: Sequence[str], cwd: Path, env: Mapping[str, str], timeout: float | None = None
+        self, args: Sequence[str], cwd: Path, env: Mapping[str, str], timeout: float | None = None
     ) -> subprocess.CompletedProcess:
-        """``subprocess.run([python, "-m", "monai.bundle", *argv], cwd=cwd, env=env, capture_output=True,
-        text=True, timeout=timeout)``, forked from the zygote."""
-        command = [sys.executable, "-m", "monai.bundle", *argv]
+        """``subprocess.run([python, *args], cwd=cwd, env=env, capture_output=True, text=True,
+        timeout=timeout)``, forked from the zygote."""
+        command = [sys.executable, *args]
         if not Path(cwd).is_dir():  # where subprocess raises too: before anything runs
             raise FileNotFoundError(f"no such directory: {cwd}")
-        run = self.start(argv, cwd, env)
+        run = self.start(args, cwd, env)
         try:
             if not run.ended.wait(timeout):
                 self.kill(run)
@@ -275,35 +316,55 @@ def _zygote(env: Mapping[str, str]) -> Zygote | None:
 def run(
     argv: Sequence[str], cwd: Path, env: Mapping[str, str], timeout: float | None = None
 ) -> subprocess.CompletedProcess:
-    """``python -m monai.bundle *argv`` from ``cwd`` with ``env``, its output captured as text, as
+    """``python -m monai.bundle *argv`` (see :func:`run_python`)."""
+    return run_python([*BUNDLE, *argv], cwd, env, timeout)
+
+
+def run_python(
+    args: Sequence[str], cwd: Path, env: Mapping[str, str] | None = None, timeout: float | None = None
+) -> subprocess.CompletedProcess:
+    """``python *args`` from ``cwd`` with ``env`` (default: this process's), its output captured as text, as
     ``subprocess.run`` gives it: forked from this process's zygote, or a process of its own where no zygote serves
-    (see :func:`_zygote`; a zygote that ended before the run started)."""
-    zygote = _zygote(env)
+    (see :func:`_zygote`; a zygote that ended before the run started; a form :func:`python_form` does not take)."""
+    env = dict(os.environ) if env is None else env
+    zygote = _zygote(env) if python_form(args) else None
     if zygote is not None:
         try:
-            return zygote.run(argv, cwd, env, timeout)
+            return zygote.run(args, cwd, env, timeout)
         except ZygoteError as error:
             if error.forked:
                 raise
-    command = [sys.executable, "-m", "monai.bundle", *argv]
+    command = [sys.executable, *args]
     return subprocess.run(command, cwd=cwd, env=dict(env), capture_output=True, text=True, timeout=timeout)
 
 
-class Started:
-    """A ``python -m monai.bundle`` run left running (a server a test talks to, stops or kills): forked from the
-    zygote, or a process of its own where none serves; either way ``poll``, ``signal``, ``wait`` and ``output`` as a
-    ``subprocess.Popen`` whose stdout and stderr go to files."""
+def launcher(env: Mapping[str, str] | None = None) -> tuple[list[str], dict[str, str]] | None:
+    """What starts ``python ARGS`` from the zygote in a process the tests do not start themselves: the command to
+    put before ARGS (``python zygote.py --exec``) and the variable to add to that process's environment; None where
+    no zygote serves ``env`` (then ``python`` itself starts them)."""
+    zygote = _zygote(dict(os.environ) if env is None else env)
+    if zygote is None:
+        return None
+    return [sys.executable, str(Path(__file__).resolve()), "--exec"], {SOCKET_ENV: str(zygote.folder / SOCKET_NAME)}
 
-    def __init__(self, argv: Sequence[str], cwd: Path, env: Mapping[str, str]) -> None:
-        self.zygote, self.run, self.process = _zygote(env), None, None
+
+class Started:
+    """A ``python *args`` run left running (a server a test talks to, stops or kills): forked from the zygote, or a
+    process of its own where none serves; either way ``poll``, ``signal``, ``wait`` and ``output`` as a
+    ``subprocess.Popen`` whose stdout and stderr go to files. ``new_session``: in a session of its own (as Popen's
+    ``start_new_session``), whose process group :meth:`kill_group` kills."""
+
+    def __init__(self, args: Sequence[str], cwd: Path, env: Mapping[str, str], new_session: bool = False) -> None:
+        self.zygote, self.run, self.process = _zygote(env) if python_form(args) else None, None, None
+        self.new_session = new_session
         if self.zygote is not None:
             with contextlib.suppress(ZygoteError):
-                self.run = self.zygote.start(argv, cwd, env)
+                self.run = self.zygote.start(args, cwd, env, new_session)
         if self.run is None:
             self.folder = Path(tempfile.mkdtemp(prefix="started-", dir=_TMP))
             with (self.folder / "out").open("wb") as out, (self.folder / "err").open("wb") as err:
-                command = [sys.executable, "-m", "monai.bundle", *argv]
-                self.process = subprocess.Popen(command, cwd=cwd, env=dict(env), stdout=out, stderr=err)
+                self.process = subprocess.Popen([sys.executable, *args], cwd=cwd, env=dict(env), stdout=out,
+                                                stderr=err, start_new_session=new_session)  # fmt: skip
 
     @property
     def pid(self) -> int | None:
@@ -324,6 +385,16 @@ class Started:
         elif not self.run.ended.is_set():
             os.kill(self.run.pid, sig)
 
+    def kill_group(self) -> None:
+        """SIGKILL to the run's process group (it was started with ``new_session``): the run and every process it
+        started that stayed in its group."""
+        if not self.new_session:
+            raise ValueError("kill_group needs a run started with new_session=True")
+        if self.run is not None:
+            self.zygote.kill(self.run, group=True)
+        elif self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+
     def wait(self, timeout: float = GRACE_S) -> int | None:
         """The exit status once the run has ended (None: still running after ``timeout``)."""
         if self.run is not None:
@@ -342,7 +413,13 @@ class Started:
 
 def start(argv: Sequence[str], cwd: Path, env: Mapping[str, str]) -> Started:
     """``python -m monai.bundle *argv`` from ``cwd`` with ``env``, left running (see :class:`Started`)."""
-    return Started(argv, cwd, env)
+    return Started([*BUNDLE, *argv], cwd, env)
+
+
+def start_python(args: Sequence[str], cwd: Path, env: Mapping[str, str] | None = None,
+                 new_session: bool = False) -> Started:  # fmt: skip
+    """``python *args`` from ``cwd`` with ``env`` (default: this process's), left running (see :class:`Started`)."""
+    return Started(args, cwd, dict(os.environ) if env is None else env, new_session)
 
 
 def _stop() -> None:
@@ -353,11 +430,11 @@ def _stop() -> None:
 # --- the zygote itself -------------------------------------------------------------------------------------------
 
 
-def _search_path(cwd: str, pythonpath: str | None, base: Sequence[str]) -> list[str]:
-    """``sys.path`` as ``python -m`` sets it from ``cwd``: ``cwd``, then PYTHONPATH's entries made absolute, then
-    the interpreter's own, each once."""
+def _search_path(first: str, pythonpath: str | None, base: Sequence[str]) -> list[str]:
+    """``sys.path`` as ``python`` sets it: ``first`` (the working directory for ``-m``, ``""`` for ``-c``, the
+    script's folder), then PYTHONPATH's entries made absolute, then the interpreter's own, each once."""
     entries = [os.path.abspath(p) for p in pythonpath.split(os.pathsep)] if pythonpath else []
-    return [cwd, *dict.fromkeys([*entries, *base])]
+    return [first, *dict.fromkeys([*entries, *base])]
 
 
 def _exit_status(code: object) -> int:
@@ -371,30 +448,43 @@ def _exit_status(code: object) -> int:
 
 
 class _Setup(NamedTuple):
-    """What every child starts from: the interpreter's own ``sys.path``, ``monai/bundle/__main__.py``, what the
-    imports wrote to stdout and stderr, and the environment variables they set (name: [before, after])."""
+    """What every child starts from: the interpreter's own ``sys.path``, what the imports wrote to stdout and stderr,
+    the environment the zygote started with, and the variables its imports set (name: [before, after])."""
 
     base: list[str]
-    main: str
     preamble: tuple[bytes, bytes]
+    env: dict[str, str]
     imports_env: dict[str, list]
 
 
-def _child(request: dict, inherited: Sequence[int], setup: _Setup) -> NoReturn:
-    """The forked child: set up as ``python -m monai.bundle`` sets up a process, run it, end as the interpreter
-    ends."""
+def _child(request: dict, inherited: Sequence[int], setup: _Setup, fds: Sequence[int] = ()) -> NoReturn:
+    """The forked child: set up as ``python *args`` sets up a process, run it, end as the interpreter ends. ``fds``:
+    the client's fds 0-2 (a socket's run), else stdout and stderr go to the request's files."""
     status = 1
     try:
         for fd in inherited:
             os.close(fd)
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
-        for fd, (name, text) in enumerate(zip(("stdout", "stderr"), setup.preamble), start=1):
-            opened = os.open(request[name], flags, 0o644)
-            os.dup2(opened, fd)
-            os.close(opened)
-            os.write(fd, text)
-        # the interpreter's own streams, now on the run's files: set up as for a pipe (as subprocess's), and the
-        # very objects that loggers made by the imports write to, flushed as the run ends
+        if request.get("new_session"):
+            os.setsid()
+        kind, target, rest = python_form(request["args"])
+        preamble = setup.preamble if request["args"][:2] == list(BUNDLE) else (b"", b"")
+        if fds:
+            for fd, received in enumerate(fds):
+                os.dup2(received, fd)
+            for received in fds:
+                if received > 2:
+                    os.close(received)
+            for fd, text in zip((1, 2), preamble):
+                os.write(fd, text)
+        else:
+            flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+            for fd, (name, text) in enumerate(zip(("stdout", "stderr"), preamble), start=1):
+                opened = os.open(request[name], flags, 0o644)
+                os.dup2(opened, fd)
+                os.close(opened)
+                os.write(fd, text)
+        # the interpreter's own streams, now on the run's fds: set up as for a pipe (as subprocess's), and the very
+        # objects that loggers made by the imports write to, flushed as the run ends
         sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
         os.chdir(request["cwd"])
         os.environ.clear()
@@ -408,10 +498,11 @@ def _child(request: dict, inherited: Sequence[int], setup: _Setup) -> NoReturn:
         tempfile.tempdir = None  # TMPDIR as the run's environment says
         if set(request["cpus"]) != os.sched_getaffinity(0):
             os.sched_setaffinity(0, request["cpus"])
-        sys.path[:] = _search_path(os.getcwd(), request["env"].get("PYTHONPATH"), setup.base)
+        first = {"module": os.getcwd(), "code": ""}.get(kind, os.path.dirname(os.path.realpath(target)))
+        sys.path[:] = _search_path(first, request["env"].get("PYTHONPATH"), setup.base)
         importlib.invalidate_caches()
-        sys.argv = [setup.main, *request["argv"]]
-        sys.orig_argv = [sys.executable, "-m", "monai.bundle", *request["argv"]]
+        sys.argv = [{"module": "-m", "code": "-c"}.get(kind, target), *rest]
+        sys.orig_argv = [sys.executable, *request["args"]]
         if "numpy.random" in sys.modules:  # a process of its own seeds numpy's global generator afresh (random's:
             sys.modules["numpy.random"].seed()  # at fork)
         if "multiprocessing.process" in sys.modules:  # and makes its own authentication key
@@ -421,7 +512,20 @@ def _child(request: dict, inherited: Sequence[int], setup: _Setup) -> NoReturn:
         traceback.print_exc()
         _finish(status)
     try:
-        runpy.run_module("monai.bundle", run_name="__main__", alter_sys=True)
+        if kind == "module":
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+        elif kind == "path":
+            runpy.run_path(target, run_name="__main__")
+        else:  # a fresh __main__, as ``python -c`` runs its code in
+            main = types.ModuleType("__main__")
+            main.__dict__["__builtins__"] = builtins
+            sys.modules["__main__"] = main
+            try:
+                code = compile(target, "<string>", "exec")
+            except SyntaxError as error:  # printed as the interpreter prints it: no traceback
+                traceback.print_exception(type(error), error, None)
+                _finish(1)
+            exec(code, main.__dict__)
         status = 0
     except SystemExit as stop:
         status = _exit_status(stop.code)
@@ -430,7 +534,8 @@ def _child(request: dict, inherited: Sequence[int], setup: _Setup) -> NoReturn:
         sys.stderr.flush()
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGINT)
-    except Exception as error:  # what the interpreter prints of an uncaught exception
+    except Exception as error:  # what the interpreter prints of an uncaught exception (from the run's own frames)
+        error = error.with_traceback(error.__traceback__.tb_next)  # the hook prints the exception's own
         sys.excepthook(type(error), error, error.__traceback__)
     _finish(status)
 
@@ -450,48 +555,120 @@ def _finish(status: int) -> NoReturn:
     os._exit(status)
 
 
-def _serve(requests: int, answers: int, log: int, setup: _Setup) -> None:
-    """Fork a child per request, answer its pid, and its exit status when it ends, until the requests end."""
+class _Child(NamedTuple):
+    """A child the zygote forked: its pid, the pipe's run id, or the socket connection that asked for it."""
+
+    pid: int
+    run_id: int | None
+    connection: socket.socket | None
+    new_session: bool
+
+
+def _read_request(connection: socket.socket) -> tuple[dict, list[int]]:
+    """A socket client's request (one JSON line) and the fds sent with its first bytes."""
+    connection.settimeout(GRACE_S)
+    data, fds, _, _ = socket.recv_fds(connection, 1 << 16, 3)
+    while not data.endswith(b"\n"):
+        chunk = connection.recv(1 << 16)
+        if not chunk:
+            raise OSError("the client closed its connection before its request ended")
+        data += chunk
+    connection.settimeout(None)
+    return json.loads(data), fds
+
+
+def _refusal(request: dict, setup: _Setup) -> str | None:
+    """Why the zygote does not run a socket client's request (the client then runs it itself), or None."""
+    if python_form(request.get("args", [])) is None:
+        return f"python {' '.join(request.get('args', []))}: a form the zygote does not run"
+    names = differing_settings(setup.env, request["env"], setup.imports_env)
+    return f"its environment sets {', '.join(names)} otherwise than the zygote's" if names else None
+
+
+def _serve(requests: int, answers: int, log: int, listener: socket.socket, setup: _Setup) -> None:
+    """Fork a child per request (the pipe's, or a socket client's), answer its pid, and its exit status when it ends,
+    until the pipe's requests end. A socket client's connection that closes while its child runs: the child's session
+    is killed."""
 
     def answer(message: dict) -> None:
         os.write(answers, json.dumps(message).encode() + b"\n")
 
-    running: dict[int, tuple[int, int]] = {}  # pidfd: (run id, pid)
+    def fork(request: dict, fds: Sequence[int] = (), connection: socket.socket | None = None) -> tuple[int, int]:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                open_fds = [requests, answers, log, listener.fileno(), *running, *clients]
+                _child(request, open_fds + ([connection.fileno()] if connection else []), setup, fds)
+            finally:  # never back into the zygote's loop
+                os._exit(1)
+        pidfd = os.pidfd_open(pid)
+        running[pidfd] = _Child(pid, request.get("id"), connection, bool(request.get("new_session")))
+        return pid, pidfd
+
+    def kill(child: _Child, group: bool) -> None:
+        with contextlib.suppress(OSError):
+            os.killpg(child.pid, signal.SIGKILL) if group else os.kill(child.pid, signal.SIGKILL)
+
+    running: dict[int, _Child] = {}  # pidfd: the child
+    clients: dict[int, int] = {}  # a socket client's connection fd: its child's pidfd
     pending = b""
     while True:
-        ready, _, _ = select.select([requests, *running], [], [])
+        ready, _, _ = select.select([requests, listener.fileno(), *running, *clients], [], [])
         for fd in ready:
-            if fd != requests:
-                run_id, pid = running.pop(fd)
+            if fd in running:
+                child = running.pop(fd)
                 os.close(fd)
-                _, status = os.waitpid(pid, 0)
-                answer({"id": run_id, "returncode": os.waitstatus_to_exitcode(status)})
-                continue
-            chunk = os.read(requests, 1 << 16)
-            if not chunk:
-                return
-            *lines, pending = (pending + chunk).split(b"\n")
-            for line in lines:
-                request = json.loads(line)
-                if "kill" in request:
-                    for run_id, pid in running.values():
-                        if run_id == request["kill"]:
-                            os.kill(pid, signal.SIGKILL)
-                    continue
-                sys.stdout.flush()
-                sys.stderr.flush()
+                _, status = os.waitpid(child.pid, 0)
+                code = os.waitstatus_to_exitcode(status)
+                if child.connection is None:
+                    answer({"id": child.run_id, "returncode": code})
+                elif clients.pop(child.connection.fileno(), None) is not None:
+                    with contextlib.suppress(OSError):
+                        child.connection.sendall(json.dumps({"returncode": code}).encode() + b"\n")
+                    child.connection.close()
+            elif fd in clients:  # a client wrote nothing it should: it ended (killed), and its run goes with it
+                child = running[clients.pop(fd)]
+                kill(child, group=child.new_session)
+                child.connection.close()
+            elif fd == listener.fileno():
+                connection, _ = listener.accept()
+                fds: list[int] = []
                 try:
-                    pid = os.fork()
-                except OSError as error:
-                    answer({"id": request["id"], "error": str(error)})
-                    continue
-                if pid == 0:
+                    request, fds = _read_request(connection)
+                    why = _refusal(request, setup)
+                    if why is None:
+                        pid, clients[connection.fileno()] = fork({**request, "new_session": True}, fds, connection)
+                        connection.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+                    else:
+                        print(f"refused a socket client: {why}", file=sys.stderr, flush=True)
+                        connection.sendall(json.dumps({"refused": why}).encode() + b"\n")
+                except (OSError, ValueError, KeyError) as error:
+                    print(f"a socket client's request failed: {error}", file=sys.stderr, flush=True)
+                finally:
+                    for received in fds:
+                        os.close(received)
+                    if connection.fileno() not in clients:
+                        connection.close()
+            else:
+                chunk = os.read(requests, 1 << 16)
+                if not chunk:
+                    return
+                *lines, pending = (pending + chunk).split(b"\n")
+                for line in lines:
+                    request = json.loads(line)
+                    if "kill" in request:
+                        for child in running.values():
+                            if child.run_id == request["kill"]:
+                                kill(child, group=request.get("group", False) and child.new_session)
+                        continue
                     try:
-                        _child(request, [requests, answers, log, *running], setup)
-                    finally:  # never back into the zygote's loop
-                        os._exit(1)
-                running[os.pidfd_open(pid)] = (request["id"], pid)
-                answer({"id": request["id"], "pid": pid})
+                        pid, _ = fork(request)
+                    except OSError as error:
+                        answer({"id": request["id"], "error": str(error)})
+                        continue
+                    answer({"id": request["id"], "pid": pid})
 
 
 def _zygote_main(folder: Path) -> None:
@@ -516,8 +693,7 @@ def _zygote_main(folder: Path) -> None:
     sys.stderr.flush()
     imports_env = {k: [before.get(k), os.environ.get(k)] for k in {*before, *os.environ}
                    if before.get(k) != os.environ.get(k)}  # fmt: skip
-    main = importlib.util.find_spec("monai.bundle.__main__").origin
-    setup = _Setup(base, main, (kept[0].read_bytes(), kept[1].read_bytes()), imports_env)
+    setup = _Setup(base, (kept[0].read_bytes(), kept[1].read_bytes()), before, imports_env)
     os.dup2(log, 1)
     os.dup2(log, 2)
     ready = {"ready": True, "pid": os.getpid(), "python_threads": threading.active_count(),
@@ -525,13 +701,50 @@ def _zygote_main(folder: Path) -> None:
     if ready["python_threads"] != 1 or not hasattr(os, "pidfd_open"):
         print(f"not fork-safe here: {ready}, pidfd_open: {hasattr(os, 'pidfd_open')}", file=sys.stderr)
         return
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(folder / SOCKET_NAME))
+    listener.listen(16)
     os.write(answers, json.dumps(ready).encode() + b"\n")
     with contextlib.suppress(KeyboardInterrupt):
-        _serve(requests, answers, log, setup)
+        _serve(requests, answers, log, listener, setup)
+    listener.close()
     shutil.rmtree(folder, ignore_errors=True)
 
 
+# --- a socket client: python zygote.py --exec ARGS -------------------------------------------------------------------
+
+
+def _exec_main(args: list[str]) -> NoReturn:
+    """Run ``python *args`` from the zygote named by :data:`SOCKET_ENV` on this process's fds 0-2, passing on
+    :data:`PASSED_ON` and ending as the run ended; ``exec`` it here where the zygote refuses or cannot be reached."""
+    path = os.environ.get(SOCKET_ENV)
+    answer: dict = {}
+    if path:
+        client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        request = {"args": args, "cwd": os.getcwd(), "env": dict(os.environ), "cpus": sorted(os.sched_getaffinity(0))}
+        with contextlib.suppress(OSError, ValueError):
+            client.connect(path)
+            data = json.dumps(request).encode() + b"\n"
+            sent = socket.send_fds(client, [data[: 1 << 15]], [0, 1, 2])
+            client.sendall(data[sent:])
+            reader = client.makefile("rb")
+            answer = json.loads(reader.readline() or b"{}")
+    if "pid" not in answer:
+        os.execv(sys.executable, [sys.executable, *args])
+    pid = answer["pid"]
+    for sig in PASSED_ON:
+        signal.signal(sig, lambda number, _frame: os.kill(pid, number))
+    line = reader.readline()  # the run's end (a signal passed on in between: the read goes on, PEP 475)
+    code = json.loads(line).get("returncode", 1) if line.strip() else 1
+    if code < 0:  # ended by a signal: end by the same one
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    os._exit(code)
+
+
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--exec"]:
+        _exec_main(sys.argv[2:])
     _zygote_main(Path(sys.argv[1]))
 else:
     atexit.register(_stop)
