@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -104,6 +105,20 @@ def bundle_run(
     if with_faults:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "tests"), str(ROOT), env.get("PYTHONPATH")]))
     return zygote.run(argv, cwd, env, timeout)
+
+
+def torchrun(options: list[str], args: list[str], env: dict | None = None) -> tuple[list[str], dict[str, str]]:
+    """``python -m torch.distributed.run *options *args`` (``args``: ``-m monai.bundle ...``) as typed, and its
+    environment (default: this process's), but each rank a process of its own forked from the tests' zygote
+    (tests/zygote.py): torchrun's script is ``zygote.py --exec``, served by a zygote with the ranks' start-up settings
+    (torchrun sets OMP_NUM_THREADS=1 where it starts several on a node and the variable is unset). A rank's
+    ``python`` would spend ~7 s importing torch and MONAI, every start and restart."""
+    env = dict(os.environ if env is None else env)
+    per_node = re.search(r"--nproc[_-]per[_-]node[= ](\d+)", " ".join(options))
+    several = per_node is not None and int(per_node.group(1)) > 1
+    ranks = {**env, "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1" if several else None)}
+    script, variables = zygote.through(args, {k: v for k, v in ranks.items() if v is not None})
+    return [sys.executable, "-m", "torch.distributed.run", *options, *script], {**env, **variables}
 
 
 def workflow_run(*args: str, cwd: Path | None = None) -> None:

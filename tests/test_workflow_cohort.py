@@ -8,11 +8,10 @@ from __future__ import annotations
 import csv
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, bundle_run, configs, foreign_folder
+from conftest import ROOT, bundle_run, configs, foreign_folder, torchrun
 from scripts.data.synthetic import write_case
 
 DEMO_INFERENCE = configs("inference.yaml", "demo.yaml")
@@ -46,9 +45,11 @@ def side_by_side(cohort, tmp_path_factory) -> tuple[Path, str, dict[str, bytes]]
     """torchrun's two ranks as parts 0 and 1 of 2, at once into one folder: the log, and the label maps written."""
     inputs, weights = cohort
     out = tmp_path_factory.mktemp("cohort_out")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
-               "monai.bundle", "run", *inference(inputs, weights, out), "--bundle_root", str(ROOT)]  # fmt: skip
-    run = subprocess.run(command, cwd=foreign_folder(), capture_output=True, text=True, timeout=600)
+    command, env = torchrun(
+        ["--standalone", "--nproc_per_node", "2"],
+        ["-m", "monai.bundle", "run", *inference(inputs, weights, out), "--bundle_root", str(ROOT)],
+    )
+    run = subprocess.run(command, cwd=foreign_folder(), capture_output=True, text=True, timeout=600, env=env)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     return out, run.stdout + run.stderr, labels(out)
 

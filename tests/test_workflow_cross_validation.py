@@ -12,7 +12,6 @@ import os
 import re
 import shlex
 import shutil
-import sys
 import time
 
 import highdicom as hd
@@ -20,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 import zygote
-from conftest import MECHANICS_NETWORK, ROOT, TINY_CASES, TINY_SHAPE, configs
+from conftest import MECHANICS_NETWORK, ROOT, TINY_CASES, TINY_SHAPE, configs, torchrun
 
 MAX_EPOCHS = 2
 # the demo network (as the issue asks), one patch per step, validation once at the end, one mirror axis for the TTA
@@ -216,14 +215,16 @@ def test_folds_trained_under_torchrun_with_multi_gpu_train_are_evaluated_in_this
     here), then the out-of-fold evaluation in the CLI's own process, which torchrun did not start, without that file.
     Mechanics only: the small network, one fold of the tiny cases (every fold is trained and evaluated alike; each
     costs a torchrun start), one epoch."""
-    launcher = f"{sys.executable} -m torch.distributed.run --standalone --nproc_per_node=1"
+    # torchrun with one rank, the rank forked from the tests' zygote (its command given after zygote.py --exec)
+    launch, env = torchrun(["--standalone", "--nproc_per_node=1"], [])
+    launcher = shlex.join(launch)
     command = ["-m", "scripts.cross_validation", "run", "--config_file",
                configs("train.yaml", "demo.yaml", "multi_gpu_train.yaml"), "--launcher", launcher, "--folds", "1",
                "--output_dir", str(tmp_path / "cv"), "--dataset_dir", str(tiny_data / "data"), "--prepared_dir",
                str(tiny_data / "prepared"), "--demo_cases", str(TINY_CASES), "--demo_shape", str(list(TINY_SHAPE)),
                "--network_def", MECHANICS_NETWORK, "--num_samples", "1", "--max_epochs", "1", "--val_interval", "1",
                "--eval_pictures", "0", "--inference_backend", "torch", "--compare_test", "false"]  # fmt: skip
-    result = zygote.run_python(command, ROOT, timeout=600)  # the CLI forked from the zygote; its fold: torchrun's
+    result = zygote.run_python(command, ROOT, env, timeout=600)  # the CLI forked from the zygote too
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-4000:]
     assert output.count("process group: rank 0 of 1, backend gloo") == 1, "the fold trained as a DDP rank"

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import MECHANICS_NETWORK, ROOT, configs, save_weights, tiny_dataset, train_workflow
+from conftest import MECHANICS_NETWORK, ROOT, configs, save_weights, tiny_dataset, torchrun, train_workflow
 
 MULTI = configs("train.yaml", "demo.yaml", "multi_gpu_train.yaml")
 # each rank one thread: two ranks of two threads each would oversubscribe the two cores
@@ -43,10 +43,6 @@ def bundle_args(demo_tmp: Path, out: Path, **overrides) -> list[str]:
     return args
 
 
-def torchrun(*args: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", *args]
-
-
 def workers_of(pid: int) -> list[int]:
     found = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
     return [int(p) for p in found]
@@ -64,11 +60,14 @@ def test_two_ranks_restart_after_a_kill_and_agree(ddp_data, tmp_path):
     rank_file = "'{}/rank' + str(@scripts.training.distributed.rank()) + '.pt'"
     dump = f"$torch.save(@scripts.training.weights.unwrap(@network).state_dict(), {rank_file})"
     finalize = str([dump.format(tmp_path), "$@scripts.training.distributed.cleanup()"])
-    command = torchrun("--standalone", "--nproc_per_node=2", "--max-restarts=1",
-                       *bundle_args(demo_tmp, out, max_epochs=2, resume="true", finalize=finalize))  # fmt: skip
+    command, env = torchrun(
+        ["--standalone", "--nproc_per_node=2", "--max-restarts=1"],
+        bundle_args(demo_tmp, out, max_epochs=2, resume="true", finalize=finalize),
+        RANK_ENV,
+    )
     log_file = tmp_path / "log.txt"
     with log_file.open("w") as log:
-        job = subprocess.Popen(command, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, env=RANK_ENV)
+        job = subprocess.Popen(command, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, env=env)
         latest = out / "checkpoints" / "latest.pt"
         deadline = time.monotonic() + 600
         while not latest.exists() and job.poll() is None and time.monotonic() < deadline:
@@ -107,11 +106,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_nodes(commands: list[list[str]], cwd: Path, timeout_s: float = 900, grace_s: float = 20) -> tuple:
-    """Each command as one node; their exit codes and logs. When a node fails, the others get ``grace_s`` to end and
-    are then killed: torchrun's agent would otherwise wait 300 s at its exit barrier for the failed one."""
+def run_nodes(
+    commands: list[list[str]], cwd: Path, timeout_s: float = 900, grace_s: float = 20, env: dict | None = None
+) -> tuple:
+    """Each command as one node (with ``env``, default RANK_ENV); their exit codes and logs. When a node fails, the
+    others get ``grace_s`` to end and are then killed: torchrun's agent would otherwise wait 300 s at its exit barrier
+    for the failed one."""
     outs = [(cwd / f"node{i}.log").open("w") for i in range(len(commands))]
-    nodes = [subprocess.Popen(c, cwd=cwd, stdout=o, stderr=subprocess.STDOUT, env=RANK_ENV)
+    nodes = [subprocess.Popen(c, cwd=cwd, stdout=o, stderr=subprocess.STDOUT, env=env or RANK_ENV)
              for c, o in zip(commands, outs)]  # fmt: skip
     deadline, failed_at = time.monotonic() + timeout_s, None
     while any(n.poll() is None for n in nodes) and time.monotonic() < deadline:
@@ -142,7 +144,8 @@ def test_two_nodes_on_localhost_with_partitioned_cache(ddp_data, tmp_path):
     launcher = ["--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}",
                 "--rdzv_id=pytest"]  # fmt: skip
     args = bundle_args(demo_tmp, tmp_path / "run", partition_cache="true")
-    codes, logs = run_nodes([torchrun(*launcher, *args)] * 2, tmp_path)
+    command, env = torchrun(launcher, args, RANK_ENV)
+    codes, logs = run_nodes([command] * 2, tmp_path, env=env)
     assert codes == [0, 0], logs[0][-3000:] + logs[1][-3000:]
     held = {}
     for rank, _, ids in re.findall(r"rank (\d) holds (\d+) training case\(s\): ([\w\- ]+)", "\n".join(logs)):
@@ -167,8 +170,8 @@ def test_evaluation_on_two_ranks_counts_every_case_once(ddp_data, tmp_path):
             "--output_dir", str(tmp_path / "run"), "--model_path", str(weights),
             "--eval_dir", str(tmp_path), "--eval_split", "training", "--eval_pictures", "0",
             "--inference_backend", "torch", "--demo_cases", str(DDP_CASES)]  # fmt: skip
-    result = subprocess.run(torchrun("--standalone", "--nproc_per_node=2", *args), cwd=tmp_path, capture_output=True,
-                            text=True, timeout=600, env=RANK_ENV)  # fmt: skip
+    command, env = torchrun(["--standalone", "--nproc_per_node=2"], args, RANK_ENV)
+    result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     rows = (tmp_path / "metrics.csv").read_text().splitlines()[1:]
     training = json.loads((demo_tmp / "prepared" / "datalist.json").read_text())["training"]

@@ -77,6 +77,9 @@ PRELOADED = ("torch", "monai", "monai.bundle")
 #: run first compiles (the bundle's compile cache sets TORCHINDUCTOR_CACHE_DIR in the tests' own process)
 IMPORT_TIME_ENV = ("PYTHON", "OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "GOTO", "LD_", "LANG", "LC_", "TORCH_",
                    "PYTORCH_", "MONAI_", "CUDA_", "NUMEXPR_")  # fmt: skip
+#: prefixes among those of the variables read later: MONAI Label's (as monailabel is imported, which the zygote does
+#: not import) and NCCL's process group's (as one is made; torchrun sets TORCH_NCCL_ASYNC_ERROR_HANDLING)
+NOT_AT_IMPORT = ("MONAI_LABEL_", "TORCH_NCCL_")
 #: ``BUNDLE_RUN_SUBPROCESS=1`` in the tests' environment: every run a process of its own (to check the zygote changes
 #: nothing)
 SUBPROCESS = "BUNDLE_RUN_SUBPROCESS"
@@ -103,10 +106,9 @@ class ZygoteError(RuntimeError):
 
 
 def import_settings(env: Mapping[str, str]) -> dict[str, str]:
-    """The variables of ``env`` that take effect as a process starts (a zygote's are those it started with); not
-    MONAI Label's (MONAI_LABEL_*: read as monailabel is imported, which the zygote does not import)."""
+    """The variables of ``env`` that take effect as a process starts (a zygote's are those it started with)."""
     return {k: v for k, v in env.items()
-            if k.startswith(IMPORT_TIME_ENV) and k != "PYTHONPATH" and not k.startswith("MONAI_LABEL_")}  # fmt: skip
+            if k.startswith(IMPORT_TIME_ENV) and k != "PYTHONPATH" and not k.startswith(NOT_AT_IMPORT)}  # fmt: skip
 
 
 def python_form(args: Sequence[str]) -> tuple[str, str, list[str]] | None:
@@ -278,39 +280,43 @@ class Zygote:
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
-_ZYGOTE: Zygote | None = None
+_ZYGOTES: list[Zygote] = []  # this process's zygotes, one per set of import-time settings
+#: the most zygotes a process starts (each holds torch and MONAI imported, ~0.7 GB); beyond it, processes of their own
+MAX_ZYGOTES = 2
 _STARTING = threading.Lock()
 _FAILED_STARTS: list[str] = []  # why each start failed; after two, runs are processes of their own
 _MISMATCHES: list[list[str]] = []  # the import-time variables that sent runs to processes of their own
 
 
 def _zygote(env: Mapping[str, str]) -> Zygote | None:
-    """This process's zygote for a run with ``env``: started on first use, and again if it ended; None where none
-    serves ``env`` (its import-time settings are not the zygote's, the zygote failed to start twice, or
+    """This process's zygote for a run with ``env``: the one whose import-time settings are ``env``'s, started on first
+    use (again if it ended; a second one for other settings, such as torchrun's ranks' OMP_NUM_THREADS=1); None where
+    none serves ``env`` (:data:`MAX_ZYGOTES` serve other settings, a zygote failed to start twice, or
     ``BUNDLE_RUN_SUBPROCESS=1`` asks for processes of their own)."""
-    global _ZYGOTE
     if os.environ.get(SUBPROCESS) == "1":
         return None
     with _STARTING:
-        if _ZYGOTE is not None and not _ZYGOTE.alive:
-            _ZYGOTE.close()
-            _ZYGOTE = None
-        if _ZYGOTE is None and len(_FAILED_STARTS) < 2:
+        for ended in [z for z in _ZYGOTES if not z.alive]:
+            ended.close()
+            _ZYGOTES.remove(ended)
+        for zygote in _ZYGOTES:
+            if not differing_settings(zygote.env, env, zygote.ready["imports_env"]):
+                return zygote
+        if len(_ZYGOTES) < MAX_ZYGOTES and len(_FAILED_STARTS) < 2:
             try:
-                _ZYGOTE = Zygote(env)
+                _ZYGOTES.append(Zygote(env))
+                return _ZYGOTES[-1]
             except (OSError, ZygoteError) as error:
                 _FAILED_STARTS.append(str(error))
                 warnings.warn(f"bundle runs as processes of their own: {error}", RuntimeWarning, stacklevel=3)
-        if _ZYGOTE is None:
-            return None
-        names = differing_settings(_ZYGOTE.env, env, _ZYGOTE.ready["imports_env"])
-        if names:
+                return None
+        if _ZYGOTES:
+            names = differing_settings(_ZYGOTES[0].env, env, _ZYGOTES[0].ready["imports_env"])
             if names not in _MISMATCHES:  # said once: every such run pays the imports again
                 _MISMATCHES.append(names)
-                message = f"bundle runs whose environment sets {', '.join(names)} otherwise than the zygote's"
+                message = f"bundle runs whose environment sets {', '.join(names)} otherwise than the zygotes'"
                 warnings.warn(f"{message} run as processes of their own", RuntimeWarning, stacklevel=3)
-            return None
-        return _ZYGOTE
+        return None
 
 
 def run(
@@ -336,6 +342,17 @@ def run_python(
                 raise
     command = [sys.executable, *args]
     return subprocess.run(command, cwd=cwd, env=dict(env), capture_output=True, text=True, timeout=timeout)
+
+
+def through(args: Sequence[str], env: Mapping[str, str]) -> tuple[list[str], dict[str, str]]:
+    """``python ARGS`` as a launcher that starts ``python -u SCRIPT ...`` (torchrun) runs it forked from the zygote that
+    serves ``env`` (the environment the launcher gives the processes it starts): the script and arguments to give it
+    in place of ARGS (``zygote.py --exec ARGS``) and the variable to add to the launcher's environment; ARGS and no
+    variable where no zygote serves ``env``."""
+    launch = launcher(env)
+    if launch is None:
+        return list(args), {}
+    return [launch[0][1], *launch[0][2:], *args], launch[1]
 
 
 def launcher(env: Mapping[str, str] | None = None) -> tuple[list[str], dict[str, str]] | None:
@@ -423,8 +440,8 @@ def start_python(args: Sequence[str], cwd: Path, env: Mapping[str, str] | None =
 
 
 def _stop() -> None:
-    if _ZYGOTE is not None:
-        _ZYGOTE.close()
+    for zygote in _ZYGOTES:
+        zygote.close()
 
 
 # --- the zygote itself -------------------------------------------------------------------------------------------
@@ -484,8 +501,12 @@ def _child(request: dict, inherited: Sequence[int], setup: _Setup, fds: Sequence
                 os.close(opened)
                 os.write(fd, text)
         # the interpreter's own streams, now on the run's fds: set up as for a pipe (as subprocess's), and the very
-        # objects that loggers made by the imports write to, flushed as the run ends
+        # objects that loggers made by the imports write to, flushed as the run ends; a client started with ``-u``
+        # (torchrun starts its ranks so): written through at each line
         sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
+        if request.get("unbuffered"):
+            for stream in (sys.stdout, sys.stderr):
+                stream.reconfigure(line_buffering=True, write_through=True)
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
@@ -721,7 +742,9 @@ def _exec_main(args: list[str]) -> NoReturn:
     answer: dict = {}
     if path:
         client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        request = {"args": args, "cwd": os.getcwd(), "env": dict(os.environ), "cpus": sorted(os.sched_getaffinity(0))}
+        request = {"args": args, "cwd": os.getcwd(), "env": dict(os.environ), "cpus": sorted(os.sched_getaffinity(0)),
+                   "unbuffered": "-u" in itertools.takewhile(lambda a: a.startswith("-"), sys.orig_argv[1:])
+                   or bool(os.environ.get("PYTHONUNBUFFERED"))}  # fmt: skip
         with contextlib.suppress(OSError, ValueError):
             client.connect(path)
             data = json.dumps(request).encode() + b"\n"
