@@ -6,7 +6,9 @@ folders under a temporary folder, all daemons stopped at the end whatever happen
 GPUs (``SlurmdParameters=config_overrides``; the GPUs are /dev/null) so that the launchers' ``#SBATCH`` lines are
 accepted as written and both jobs fit at once. The jobs ask for fewer GPUs on the command line, which sets the number
 of processes per node, and train a small network on CPUs (gloo) on five tiny synthetic cases for one or two epochs.
-The inference array (two tasks, one GPU each as written) runs the demo's weights on four small synthetic CTs.
+The inference array (two tasks, one GPU each as written) runs the demo's weights on four small synthetic CTs. The
+``python`` and ``torchrun`` the single-node and array jobs find first on PATH fork each python process from the tests'
+zygote (:func:`with_shims`); the two-node job runs the venv's own.
 
 Skipped, with the reason, where slurmctld/slurmd/munged are not installed (Debian: slurmctld slurmd slurm-client
 munge). The daemons run as the user running the tests (SlurmUser = SlurmdUser = that user; also tried as an
@@ -32,6 +34,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import zygote
 from conftest import MECHANICS_NETWORK
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -291,8 +294,17 @@ def submit(
 def user_env(cluster: LocalCluster, dataset: Path, out: Path) -> dict[str, str]:
     """The submitting shell's environment: this interpreter's bin first on PATH, as in an activated venv."""
     path = os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]])
-    return {"PATH": path, "DATASET_DIR": str(dataset), "PREPARED_DIR": str(cluster.base / "prepared"),
-            "OUTPUT_DIR": str(out), "EXTRA_ARGS": EXTRA_ARGS, "OMP_NUM_THREADS": "1"}  # fmt: skip
+    env = {"PATH": path, "DATASET_DIR": str(dataset), "PREPARED_DIR": str(cluster.base / "prepared"),
+           "OUTPUT_DIR": str(out), "EXTRA_ARGS": EXTRA_ARGS, "OMP_NUM_THREADS": "1"}  # fmt: skip
+    return with_shims(cluster, env)
+
+
+def with_shims(cluster: LocalCluster, env: dict[str, str]) -> dict[str, str]:
+    """``env`` with the tests' ``python`` and ``torchrun`` first on PATH (tests/zygote.py's shims): each python process
+    of the job, torchrun's ranks too, forked from the tests' zygote, which has imported torch and MONAI (a job's
+    ``python`` would spend ~7 s on those imports, every run and requeue). The launchers run unchanged; the two-node job
+    (``--export`` without ALL: its batch shell activates VENV) runs the venv's own."""
+    return {**env, **zygote.shims(cluster.base / "bin", {**os.environ, **env})}
 
 
 def times(state: dict[str, str]) -> str:
@@ -413,6 +425,7 @@ def test_inference_array_task_killed_then_requeued_resumes_and_one_report_holds_
     # the submitting shell: the venv's bin first on PATH; tests/ on PYTHONPATH for the fault; one thread per task
     env = {"PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]]), "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT)])}  # fmt: skip
+    env = with_shims(cluster, env)
     config = str(["configs/inference.yaml", "configs/demo.yaml", str(fault)])
     # the network in PyTorch: the CPU runtime's export would add its minutes to the suite, not to what is tested here
     overrides = ["--config_file", config, "--model_path", str(demo_run[0] / "run" / "model.pt"),

@@ -69,6 +69,9 @@ def test_a_launched_run_writes_to_the_launchers_fds_and_ends_with_its_status(lau
     done = subprocess.run([*command, "-c", "import sys, torch; print('ran', sys.argv[1:]); sys.exit(5)", "q"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
     assert (done.returncode, done.stdout) == (5, "ran ['q']\n"), done.stderr
+    killed = subprocess.run([*command, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"], cwd=tmp_path,
+                            env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert (killed.returncode, killed.stderr) == (-signal.SIGKILL, ""), "killed, as the run was"
 
 
 def test_a_signal_to_the_launcher_reaches_the_run_and_killing_the_launcher_kills_the_run(launcher, tmp_path):

@@ -56,6 +56,7 @@ import json
 import os
 import runpy
 import select
+import shlex
 import shutil
 import signal
 import socket
@@ -80,6 +81,9 @@ IMPORT_TIME_ENV = ("PYTHON", "OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "GOTO
 #: prefixes among those of the variables read later: MONAI Label's (as monailabel is imported, which the zygote does
 #: not import) and NCCL's process group's (as one is made; torchrun sets TORCH_NCCL_ASYNC_ERROR_HANDLING)
 NOT_AT_IMPORT = ("MONAI_LABEL_", "TORCH_NCCL_")
+#: variables read as a GPU runtime starts, never in a zygote whose torch has no GPU build (SLURM sets
+#: CUDA_VISIBLE_DEVICES for the GPUs a job asked for)
+GPU_ENV = ("CUDA_", "HIP_", "ROCR_")
 #: ``BUNDLE_RUN_SUBPROCESS=1`` in the tests' environment: every run a process of its own (to check the zygote changes
 #: nothing)
 SUBPROCESS = "BUNDLE_RUN_SUBPROCESS"
@@ -122,13 +126,16 @@ def python_form(args: Sequence[str]) -> tuple[str, str, list[str]] | None:
     return None
 
 
-def differing_settings(zygote: Mapping[str, str], run: Mapping[str, str], imports: Mapping[str, list]) -> list[str]:
+def differing_settings(
+    zygote: Mapping[str, str], run: Mapping[str, str], imports: Mapping[str, list], unread: Sequence[str] = ()
+) -> list[str]:
     """The import-time variables that ``run``'s environment sets otherwise than ``zygote``'s (the environment the
     zygote started with), but a variable that the zygote's imports set (``imports``: name: [before, after]) and that
     ``run`` has as it was before them or as they left it: a process that imported them (the tests' own, once a test
-    imported MONAI: OpenCV's LD_LIBRARY_PATH, scikit-learn's KMP_* settings) passes on what its own imports set."""
+    imported MONAI: OpenCV's LD_LIBRARY_PATH, scikit-learn's KMP_* settings) passes on what its own imports set; and
+    none with a prefix of ``unread`` (the zygote's :data:`GPU_ENV` where its torch has no GPU build)."""
     ours, theirs = import_settings(zygote), import_settings(run)
-    names = {k for k in {*ours, *theirs} if ours.get(k) != theirs.get(k)}
+    names = {k for k in {*ours, *theirs} if ours.get(k) != theirs.get(k) and not k.startswith(tuple(unread))}
     return sorted(k for k in names if k not in imports or theirs.get(k) not in imports[k])
 
 
@@ -300,7 +307,7 @@ def _zygote(env: Mapping[str, str]) -> Zygote | None:
             ended.close()
             _ZYGOTES.remove(ended)
         for zygote in _ZYGOTES:
-            if not differing_settings(zygote.env, env, zygote.ready["imports_env"]):
+            if not differing_settings(zygote.env, env, zygote.ready["imports_env"], zygote.ready["unread"]):
                 return zygote
         if len(_ZYGOTES) < MAX_ZYGOTES and len(_FAILED_STARTS) < 2:
             try:
@@ -311,7 +318,8 @@ def _zygote(env: Mapping[str, str]) -> Zygote | None:
                 warnings.warn(f"bundle runs as processes of their own: {error}", RuntimeWarning, stacklevel=3)
                 return None
         if _ZYGOTES:
-            names = differing_settings(_ZYGOTES[0].env, env, _ZYGOTES[0].ready["imports_env"])
+            first = _ZYGOTES[0]
+            names = differing_settings(first.env, env, first.ready["imports_env"], first.ready["unread"])
             if names not in _MISMATCHES:  # said once: every such run pays the imports again
                 _MISMATCHES.append(names)
                 message = f"bundle runs whose environment sets {', '.join(names)} otherwise than the zygotes'"
@@ -353,6 +361,36 @@ def through(args: Sequence[str], env: Mapping[str, str]) -> tuple[list[str], dic
     if launch is None:
         return list(args), {}
     return [launch[0][1], *launch[0][2:], *args], launch[1]
+
+
+def shims(folder: Path, env: Mapping[str, str]) -> dict[str, str]:
+    """``python`` and ``torchrun`` commands in ``folder`` for a script a test runs unchanged (the SLURM launchers):
+    each starts what ``python`` or ``torchrun`` would, but every ``python`` process forked from the zygote that serves
+    ``env`` (the environment the script runs in), torchrun's ranks too. Returns the variables to give the script
+    (``PATH`` with ``folder`` first, the socket); none where no zygote serves ``env``."""
+    launch = launcher(env)
+    if launch is None:
+        return {}
+    command, variables = launch
+    folder.mkdir(parents=True, exist_ok=True)
+    scripts = {"python": f'#!/bin/sh\nexec {shlex.join(command)} "$@"\n',
+               "torchrun": f'#!/bin/sh\nexec {shlex.join([sys.executable, command[1]])} --torchrun "$@"\n'}  # fmt: skip
+    for name, text in scripts.items():
+        (folder / name).write_text(text)
+        (folder / name).chmod(0o755)
+    return {**variables, "PATH": os.pathsep.join([str(folder), env.get("PATH", os.defpath)])}
+
+
+def torchrun_args(args: Sequence[str]) -> list[str]:
+    """torchrun's arguments with its ``-m MODULE`` script run as ``zygote.py --exec -m MODULE`` (any other form, as
+    given)."""
+    args = list(args)
+    for k, arg in enumerate(args):
+        if arg in ("-m", "--module"):
+            return [*args[:k], str(Path(__file__).resolve()), "--exec", "-m", *args[k + 1 :]]
+        if arg == "--no-python":
+            break
+    return args
 
 
 def launcher(env: Mapping[str, str] | None = None) -> tuple[list[str], dict[str, str]] | None:
@@ -466,12 +504,14 @@ def _exit_status(code: object) -> int:
 
 class _Setup(NamedTuple):
     """What every child starts from: the interpreter's own ``sys.path``, what the imports wrote to stdout and stderr,
-    the environment the zygote started with, and the variables its imports set (name: [before, after])."""
+    the environment the zygote started with, the variables its imports set (name: [before, after]), and the prefixes
+    of those it never reads (:data:`GPU_ENV` where its torch has no GPU build)."""
 
     base: list[str]
     preamble: tuple[bytes, bytes]
     env: dict[str, str]
     imports_env: dict[str, list]
+    unread: list[str]
 
 
 def _child(request: dict, inherited: Sequence[int], setup: _Setup, fds: Sequence[int] = ()) -> NoReturn:
@@ -602,7 +642,7 @@ def _refusal(request: dict, setup: _Setup) -> str | None:
     """Why the zygote does not run a socket client's request (the client then runs it itself), or None."""
     if python_form(request.get("args", [])) is None:
         return f"python {' '.join(request.get('args', []))}: a form the zygote does not run"
-    names = differing_settings(setup.env, request["env"], setup.imports_env)
+    names = differing_settings(setup.env, request["env"], setup.imports_env, setup.unread)
     return f"its environment sets {', '.join(names)} otherwise than the zygote's" if names else None
 
 
@@ -714,11 +754,13 @@ def _zygote_main(folder: Path) -> None:
     sys.stderr.flush()
     imports_env = {k: [before.get(k), os.environ.get(k)] for k in {*before, *os.environ}
                    if before.get(k) != os.environ.get(k)}  # fmt: skip
-    setup = _Setup(base, (kept[0].read_bytes(), kept[1].read_bytes()), before, imports_env)
+    torch = sys.modules["torch"]
+    unread = [] if torch.version.cuda or torch.version.hip else list(GPU_ENV)
+    setup = _Setup(base, (kept[0].read_bytes(), kept[1].read_bytes()), before, imports_env, unread)
     os.dup2(log, 1)
     os.dup2(log, 2)
     ready = {"ready": True, "pid": os.getpid(), "python_threads": threading.active_count(),
-             "threads": len(os.listdir("/proc/self/task")), "imports_env": imports_env}  # fmt: skip
+             "threads": len(os.listdir("/proc/self/task")), "imports_env": imports_env, "unread": unread}  # fmt: skip
     if ready["python_threads"] != 1 or not hasattr(os, "pidfd_open"):
         print(f"not fork-safe here: {ready}, pidfd_open: {hasattr(os, 'pidfd_open')}", file=sys.stderr)
         return
@@ -760,7 +802,8 @@ def _exec_main(args: list[str]) -> NoReturn:
     line = reader.readline()  # the run's end (a signal passed on in between: the read goes on, PEP 475)
     code = json.loads(line).get("returncode", 1) if line.strip() else 1
     if code < 0:  # ended by a signal: end by the same one
-        signal.signal(-code, signal.SIG_DFL)
+        with contextlib.suppress(OSError, ValueError):  # SIGKILL has no handler to reset
+            signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)
     os._exit(code)
 
@@ -768,6 +811,8 @@ def _exec_main(args: list[str]) -> NoReturn:
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--exec"]:
         _exec_main(sys.argv[2:])
+    if sys.argv[1:2] == ["--torchrun"]:  # the torchrun of :func:`shims`
+        os.execv(sys.executable, [sys.executable, "-m", "torch.distributed.run", *torchrun_args(sys.argv[2:])])
     _zygote_main(Path(sys.argv[1]))
 else:
     atexit.register(_stop)
