@@ -18,7 +18,8 @@ imports are those of a process of its own. It starts no thread and runs no torch
 survive a fork); the threads its imports start are OpenBLAS's servers (numpy's, scipy's, OpenCV's), which OpenBLAS
 stops and restarts around a fork, as every run's DataLoader workers already rely on. Settings that the interpreter,
 OpenMP, BLAS or torch read as they start (:data:`IMPORT_TIME_ENV`) are the zygote's: a run whose environment sets
-them otherwise gets a process of its own (with a warning, once). The variables that the imports themselves set
+them otherwise gets a zygote of its own (at most :data:`MAX_ZYGOTES`), else a process of its own (with a warning,
+once). The variables that the imports themselves set
 (OpenCV's LD_LIBRARY_PATH and QT_*, scikit-learn's KMP_*, MONAI's CUBLAS_WORKSPACE_CONFIG, GDCM's resources) are set
 in each child's environment as the imports would have set them in a process of its own.
 
@@ -31,11 +32,12 @@ Protocol, one JSON line each way: a request ``{"id", "args", "cwd", "env", "stdo
 "new_session"}`` is answered ``{"id", "pid"}`` once forked and ``{"id", "returncode"}`` once ended (runs overlap: the
 zygote waits on pidfds); ``{"kill": id, "group": bool}`` sends the run (or its session's process group) SIGKILL (the
 zygote, its parent, kills only while it has not reaped it, so never a reused pid). Run as a script (``python zygote.py
-FOLDER``) this module is the zygote; imported, :func:`run` is its client, with one zygote per process, started on first
-use and ended when the process ends.
+FOLDER``) this module is the zygote; imported, :func:`run` is its client, with a zygote per process and set of
+start-up settings, started on first use and ended when the process ends.
 
 Processes the tests do not start themselves (the folds that ``scripts.cross_validation`` starts, MONAI Label's training
-process) reach the zygote through a Unix socket, ``FOLDER/zygote.sock`` (:func:`launcher`): ``python zygote.py --exec
+process, torchrun's ranks by :func:`through`, a SLURM job's ``python`` and ``torchrun`` by :func:`shims`) reach the
+zygote through a Unix socket, ``FOLDER/zygote.sock`` (:func:`launcher`): ``python zygote.py --exec
 ARGS`` sends its ARGS, working directory, environment, CPUs and fds 0-2 (SCM_RIGHTS), the zygote forks the run on
 those fds in a session of its own and answers its pid, then its exit status; the client passes on the signals a
 launcher receives (TERM, INT, HUP, USR1, USR2) and ends as the run ended. A client that dies (``kill -9`` of the
