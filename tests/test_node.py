@@ -17,6 +17,7 @@ import contextlib
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -79,7 +80,8 @@ def slices_of(series: Series, count: int | None = None) -> list[pydicom.Dataset]
 # ------------------------------------------------------------------------------------------------ the parts alone
 def test_forwarded_args_are_serves_own_but_the_run_id_and_the_folders():
     argv = ["__main__.py", "run", "serve", "--config_file", "c.yaml", "--output_dir", "N", "--model_path=m.pt",
-            "--input_dir", "X", "--num_parts", "2", "--dicom_port", "104", "--tta", "true"]  # fmt: skip
+            "--input_dir", "X", "--num_parts", "2", "--dicom_port", "104", "--tta", "true", "--dicom_launcher",
+            "srun python"]  # fmt: skip
     assert forwarded_args(argv) == ["--config_file", "c.yaml", "--model_path=m.pt", "--dicom_port", "104", "--tta",
                                     "true"]  # fmt: skip
 
@@ -283,9 +285,10 @@ class ScriptedDestination:
 
 
 class Node:
-    """``monai.bundle run serve``, each start a process of its own (forked from the tests' zygote, which imported torch
-    and MONAI once: the node's own inference children are ``python -m monai.bundle`` processes as in use), its output
-    gathered in ``log`` across starts."""
+    """``monai.bundle run serve``, each start a process of its own, its output gathered in ``log`` across starts. The
+    node and each study's inference child are forked from the tests' zygote, which imported torch and MONAI once: the
+    children by way of ``--dicom_launcher`` (``python tests/zygote.py --exec``, started by the node as it starts any
+    launcher, and dying with it)."""
 
     def __init__(self, folder: Path, port: int, destinations: list[str], weights: Path) -> None:
         self.folder, self.port, self.log = folder, port, folder.parent / "node.log"
@@ -294,12 +297,16 @@ class Node:
                      "--dicom_destinations", str(destinations), "--dicom_allowed_callers",
                      "['STORESCU','CLIENT','ORTHANC']", "--dicom_quiet_s", "1", "--dicom_retry_s", "1",
                      "--dicom_min_free_gb", "0.1", "--model_path", str(weights), *NETWORK]  # fmt: skip
+        self.env, launch = dict(os.environ), zygote.launcher()
+        if launch is not None:
+            self.argv += ["--dicom_launcher", shlex.join(launch[0])]
+            self.env.update(launch[1])
         self.started: zygote.Started | None = None
         self.earlier = ""  # the output of the starts before this one
 
     def start(self) -> None:
         self.earlier = self.text()
-        self.started = zygote.start(self.argv, foreign_folder(), dict(os.environ))
+        self.started = zygote.start(self.argv, foreign_folder(), self.env)
         wait_for(lambda: "listening on" in self.text()[len(self.earlier) :] or self.returncode() is not None,
                  "the node listening", 120, self)  # fmt: skip
         assert self.returncode() is None, self.text()[-4000:]
@@ -351,11 +358,14 @@ def start_orthanc(base: Path, node_port: int) -> tuple[subprocess.Popen, str, in
 
 
 def inference_children(version: Version) -> list[int]:
-    """The processes inferring ``version`` (their command line names its input folder)."""
-    found = []
+    """The processes inferring ``version``: their command line names its input folder (the node's child, and a
+    launcher's), or their stdout is its inference log (a run forked from the tests' zygote has the zygote's command
+    line)."""
+    found, log = [], str(version.folder / "inference.log")
     for proc in Path("/proc").iterdir():
         with contextlib.suppress(OSError):
-            if proc.name.isdigit() and str(version.input_dir).encode() in (proc / "cmdline").read_bytes():
+            if proc.name.isdigit() and (str(version.input_dir).encode() in (proc / "cmdline").read_bytes()
+                                        or os.readlink(proc / "fd" / "1") == log):  # fmt: skip
                 found.append(int(proc.name))
     return found
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import shlex
 import signal
 import subprocess
 import sys
@@ -34,15 +35,16 @@ logger = logging.getLogger(__name__)
 #: options of the node's command line that a study's inference does not take from it (it gets its own input and
 #: output folders, a single part, a fresh start)
 NOT_FORWARDED = {"input_dir", "output_dir", "run_id", "num_parts", "part_id", "dicomweb_url", "study_uids",
-                 "dicomweb_query", "store", "force_store", "redo"}  # fmt: skip
+                 "dicomweb_query", "store", "force_store", "redo", "dicom_launcher"}  # fmt: skip
 #: the RTSTRUCT first: the object a planning system imports
 RESULTS = ("rtstruct", "dicom_seg", "sr")
-# a child that dies with its parent (PR_SET_PDEATHSIG survives execve), and not at all if the parent is already gone
+# a child that dies with its parent (PR_SET_PDEATHSIG survives execve), and not at all if the parent is already gone;
+# its command looked up on PATH (a launcher: srun, apptainer)
 _WITH_PARENT = (
     "import ctypes, os, signal, sys\n"
     "ctypes.CDLL(None).prctl(1, signal.SIGKILL)\n"
     "os.getppid() == int(sys.argv[1]) or sys.exit(1)\n"
-    "os.execv(sys.argv[2], sys.argv[2:])\n"
+    "os.execvp(sys.argv[2], sys.argv[2:])\n"
 )
 
 
@@ -56,11 +58,13 @@ def serve(
     retry_s: float = 5.0, send_attempts: int = 20, min_free_gb: float = 5.0, tls_cert: str | None = None,
     tls_key: str | None = None, tls_ca: str | None = None, inference_args: Sequence[str] | None = None,
     weights: Sequence[str | Path] = (), stop: threading.Event | None = None, poll_s: float = 0.5,
+    launcher: str | None = None,
 ) -> None:  # fmt: skip
     """Run the node until SIGTERM, SIGINT or ``stop``: listen as ``ae_title`` on ``bind:port``, queue in
     ``output_dir``, infer each study with ``inference_args`` (default: this process's own ``monai.bundle run`` options)
     and send its RTSTRUCT, SEG and SR to every ``AE@host:port`` of ``destinations``; ``weights`` are checked to be
-    there before it listens."""
+    there before it listens. ``launcher``: the command that starts each study's inference in place of ``python``
+    (``"srun --gres=gpu:1 python"``, ``"apptainer exec --nv nsclc.sif python"``)."""
     missing = [str(path) for path in weights if not Path(path).is_file()]
     if missing:
         raise FileNotFoundError(f"the weights {', '.join(missing)}: no such file (pass --model_path or --model_paths)")
@@ -72,6 +76,7 @@ def serve(
     targets = [Destination.parse(d) for d in _as_list(destinations)]
     allowed = None if allowed_callers in (None, "", "null", "None") else _as_list(allowed_callers)
     args = list(inference_args) if inference_args is not None else forwarded_args(sys.argv)
+    python = shlex.split(launcher) if launcher not in (None, "", "null", "None") else [sys.executable]
     logging.getLogger("pynetdicom").setLevel(logging.WARNING)  # a line per PDU otherwise; the node logs its own
     stop = stop or threading.Event()
     if threading.current_thread() is threading.main_thread():
@@ -95,7 +100,7 @@ def serve(
     sender.start()
     try:
         todo = [version for version in versions if version.inferred is None]
-        _infer_loop(spool, receiver, todo, outbox, args, quiet_s, stop, poll_s)
+        _infer_loop(spool, receiver, todo, outbox, args, quiet_s, stop, poll_s, python)
     finally:
         stop.set()
         receiver.stop()
@@ -148,7 +153,7 @@ def _recover(spool: Spool, versions: list[Version]) -> str:
 
 # ------------------------------------------------------------------------------------------------ inference
 def _infer_loop(spool: Spool, receiver: Receiver, todo: list[Version], outbox: queue.Queue, args: list[str],
-                quiet_s: float, stop: threading.Event, poll_s: float) -> None:  # fmt: skip
+                quiet_s: float, stop: threading.Event, poll_s: float, python: Sequence[str]) -> None:  # fmt: skip
     """Freeze the studies that fell quiet and infer the versions ``todo`` lists, oldest first, one at a time; each
     inferred version goes to the sender's ``outbox``. Work is found in memory, not by rescanning the spool: a node that
     has served thousands of studies polls as cheaply as a new one."""
@@ -167,7 +172,7 @@ def _infer_loop(spool: Spool, receiver: Receiver, todo: list[Version], outbox: q
             continue
         version = todo[0]
         try:
-            outcome = unchanged(version) or infer(version, args, stop)
+            outcome = unchanged(version) or infer(version, args, stop, python)
         except Exception as err:  # recorded; the node goes on with the next study
             outcome = {"status": "failed", "reason": f"{type(err).__name__}: {err}", "cases": [], "results": []}
             version.record_inferred(outcome)
@@ -201,12 +206,14 @@ def unchanged(version: Version) -> dict | None:
     return outcome
 
 
-def infer(version: Version, args: Sequence[str], stop: threading.Event | None = None) -> dict | None:
+def infer(
+    version: Version, args: Sequence[str], stop: threading.Event | None = None, python: Sequence[str] = ()
+) -> dict | None:
     """``monai.bundle run inference`` on the version's input into its output folder, in a child process that dies
-    with this one; its outcome recorded in ``inferred.json`` and returned (None if ``stop`` ended it: not recorded,
-    so it runs again)."""
-    command = [sys.executable, "-m", "monai.bundle", "run", "inference", *args, "--input_dir", str(version.input_dir),
-               "--output_dir", str(version.output_dir)]  # fmt: skip
+    with this one, started by ``python`` (default: this interpreter); its outcome recorded in ``inferred.json`` and
+    returned (None if ``stop`` ended it: not recorded, so it runs again)."""
+    command = [*(python or [sys.executable]), "-m", "monai.bundle", "run", "inference", *args, "--input_dir",
+               str(version.input_dir), "--output_dir", str(version.output_dir)]  # fmt: skip
     started = time.monotonic()
     with (version.folder / "inference.log").open("ab") as log:
         child = subprocess.Popen([sys.executable, "-c", _WITH_PARENT, str(os.getpid()), *command], stdout=log,
