@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from scripts.common.config import ConfigError, as_bool, check_config, check_roi_size
+from scripts.common.config import ConfigError, as_bool, check_config, check_roi_size, unset
 
 GOOD = {"labels": ["GTV-1"], "roi_size": [96, 96, 96], "spacing": [1.0, 1.0, 3.0], "hu_window": [-1000, 500]}
 
@@ -28,6 +28,11 @@ def test_roi_sizes_swinunetr_trains_on_pass(roi):
 )
 def test_command_line_flags_are_parsed_as_booleans(text, expected):
     assert as_bool(text) is expected
+
+
+def test_null_as_yaml_and_the_command_line_give_it_means_none_and_a_value_does_not():
+    assert all(unset(value) for value in (None, "", "null", "None"))
+    assert not any(unset(value) for value in ("srun python", "0", 0, "false", "none-such"))
 
 
 def test_unclear_flag_is_refused():

@@ -99,6 +99,8 @@ SOCKET_ENV = "TESTS_ZYGOTE_SOCKET"
 PASSED_ON = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 #: the bundle's command, as ``python`` takes it
 BUNDLE = ("-m", "monai.bundle")
+#: this file: the zygote (``python zygote.py FOLDER``), and its socket's client (``python zygote.py --exec ARGS``)
+SCRIPT = str(Path(__file__).resolve())
 # where the zygote's folders go: the temporary folder as this module was imported, before any test set TMPDIR
 _TMP = Path(tempfile.gettempdir())
 
@@ -179,7 +181,7 @@ class Zygote:
         self._runs: dict[int, _Run] = {}
         self._ids = itertools.count()
         with (self.folder / "zygote.log").open("wb") as log:
-            command = [sys.executable, str(Path(__file__).resolve()), str(self.folder)]
+            command = [sys.executable, SCRIPT, str(self.folder)]
             pipe = subprocess.PIPE
             self.process = subprocess.Popen(command, stdin=pipe, stdout=pipe, stderr=log, cwd=self.folder, env=self.env)
         line = self.process.stdout.readline()  # the zygote's imports: as long as a run's
@@ -362,7 +364,7 @@ def through(args: Sequence[str], env: Mapping[str, str]) -> tuple[list[str], dic
     launch = launcher(env)
     if launch is None:
         return list(args), {}
-    return [launch[0][1], *launch[0][2:], *args], launch[1]
+    return [SCRIPT, "--exec", *args], launch[1]
 
 
 def shims(folder: Path, env: Mapping[str, str]) -> dict[str, str]:
@@ -376,7 +378,7 @@ def shims(folder: Path, env: Mapping[str, str]) -> dict[str, str]:
     command, variables = launch
     folder.mkdir(parents=True, exist_ok=True)
     scripts = {"python": f'#!/bin/sh\nexec {shlex.join(command)} "$@"\n',
-               "torchrun": f'#!/bin/sh\nexec {shlex.join([sys.executable, command[1]])} --torchrun "$@"\n'}  # fmt: skip
+               "torchrun": f'#!/bin/sh\nexec {shlex.join([sys.executable, SCRIPT])} --torchrun "$@"\n'}  # fmt: skip
     for name, text in scripts.items():
         (folder / name).write_text(text)
         (folder / name).chmod(0o755)
@@ -389,7 +391,7 @@ def torchrun_args(args: Sequence[str]) -> list[str]:
     args = list(args)
     for k, arg in enumerate(args):
         if arg in ("-m", "--module"):
-            return [*args[:k], str(Path(__file__).resolve()), "--exec", "-m", *args[k + 1 :]]
+            return [*args[:k], SCRIPT, "--exec", "-m", *args[k + 1 :]]
         if arg == "--no-python":
             break
     return args
@@ -402,7 +404,7 @@ def launcher(env: Mapping[str, str] | None = None) -> tuple[list[str], dict[str,
     zygote = _zygote(dict(os.environ) if env is None else env)
     if zygote is None:
         return None
-    return [sys.executable, str(Path(__file__).resolve()), "--exec"], {SOCKET_ENV: str(zygote.folder / SOCKET_NAME)}
+    return [sys.executable, SCRIPT, "--exec"], {SOCKET_ENV: str(zygote.folder / SOCKET_NAME)}
 
 
 class Started:
@@ -533,15 +535,14 @@ def _child(request: dict, inherited: Sequence[int], setup: _Setup, fds: Sequence
             for received in fds:
                 if received > 2:
                     os.close(received)
-            for fd, text in zip((1, 2), preamble):
-                os.write(fd, text)
         else:
             flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
-            for fd, (name, text) in enumerate(zip(("stdout", "stderr"), preamble), start=1):
+            for fd, name in ((1, "stdout"), (2, "stderr")):
                 opened = os.open(request[name], flags, 0o644)
                 os.dup2(opened, fd)
                 os.close(opened)
-                os.write(fd, text)
+        for fd, text in zip((1, 2), preamble):
+            os.write(fd, text)
         # the interpreter's own streams, now on the run's fds: set up as for a pipe (as subprocess's), and the very
         # objects that loggers made by the imports write to, flushed as the run ends; a client started with ``-u``
         # (torchrun starts its ranks so): written through at each line
@@ -736,7 +737,7 @@ def _serve(requests: int, answers: int, log: int, listener: socket.socket, setup
 
 def _zygote_main(folder: Path) -> None:
     """Import :data:`PRELOADED` with stdout and stderr kept (each child writes them first), then serve."""
-    here = str(Path(__file__).resolve().parent)
+    here = str(Path(SCRIPT).parent)
     if sys.path and sys.path[0] == here:  # the script's folder: not on a run's path
         del sys.path[0]
     base = list(sys.path)

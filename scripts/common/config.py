@@ -1,6 +1,7 @@
 """Config values as the bundle reads them: flags from the command line, and fail-fast checks of the whole run.
 
 * :func:`as_bool` -- ``--resume true`` reaches a config as the *string* "true"; every on/off value is read through it.
+* :func:`unset` -- a value that means "none": YAML's ``null``, or ``null``/``None``/nothing given on the command line.
 * :func:`check_config` -- run first (``setup``), before any data is touched: a wrong value should cost seconds, not the
   hour it takes to cache 422 CT volumes. Each check raises :class:`ConfigError` with the id to change and a value that
   works.
@@ -37,6 +38,12 @@ def as_bool(value: bool | str | int, name: str = "flag") -> bool:
     if word in TRUE_WORDS or word in FALSE_WORDS:
         return word in TRUE_WORDS
     raise ConfigError(f"{name}={value!r}: expected true or false.")
+
+
+def unset(value: object) -> bool:
+    """Whether a config value means "none": ``None`` (YAML's ``null``), or the string ``"null"``, ``"None"`` or ``""``,
+    as ``--compile_cache_dir null`` reaches a config from the command line."""
+    return value in (None, "", "null", "None")
 
 
 def check_config(

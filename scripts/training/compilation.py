@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from scripts.common.config import ConfigError, as_bool
+from scripts.common.config import ConfigError, as_bool, unset
 from scripts.training.attention import dense_bias_attention
 
 logger = logging.getLogger(__name__)
@@ -120,7 +120,7 @@ def use_cache(folder: str | Path | None) -> str | None:
     if exported and exported not in (_cache_set, default_cache_dir()):  # not ours, nor torch's own default
         logger.info("compile cache: %s (TORCHINDUCTOR_CACHE_DIR, exported: it wins over compile_cache_dir)", exported)
         return exported
-    if folder in (None, "", "null", "None"):
+    if unset(folder):
         if _cache_set and os.environ.get("TORCHINDUCTOR_CACHE_DIR") == _cache_set:  # an earlier run's, here
             del os.environ["TORCHINDUCTOR_CACHE_DIR"]
         logger.info("compile cache: torch's default folder (compile_cache_dir: null)")

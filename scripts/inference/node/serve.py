@@ -24,6 +24,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from scripts.common.config import unset
 from scripts.common.files import hold_lock, read_json
 from scripts.inference.cohort import part_report_path
 from scripts.inference.node.receive import Receiver
@@ -74,9 +75,9 @@ def serve(
         raise NodeLockedError(f"a DICOM node already runs on {spool.folder} ({holder}): stop it, or give this one "
                               "another --output_dir")  # fmt: skip
     targets = [Destination.parse(d) for d in _as_list(destinations)]
-    allowed = None if allowed_callers in (None, "", "null", "None") else _as_list(allowed_callers)
+    allowed = None if unset(allowed_callers) else _as_list(allowed_callers)
     args = list(inference_args) if inference_args is not None else forwarded_args(sys.argv)
-    python = shlex.split(launcher) if launcher not in (None, "", "null", "None") else [sys.executable]
+    python = () if unset(launcher) else shlex.split(launcher)
     logging.getLogger("pynetdicom").setLevel(logging.WARNING)  # a line per PDU otherwise; the node logs its own
     stop = stop or threading.Event()
     if threading.current_thread() is threading.main_thread():
