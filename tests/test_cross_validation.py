@@ -5,6 +5,8 @@ the settings it refuses."""
 from __future__ import annotations
 
 import json
+import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -61,6 +63,21 @@ def test_a_fold_under_torchrun_is_no_ddp_rank_and_sees_only_its_gpu(monkeypatch)
     env = cv._fold_environment()
     assert not {"LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_PORT", "TORCHELASTIC_RUN_ID"} & set(env)
     assert env["CUDA_VISIBLE_DEVICES"] == "6"
+
+
+def test_a_fold_is_trained_by_this_python_unless_a_launcher_is_given(tmp_path, monkeypatch):
+    """The default, which the end-to-end tests do not take (they give the tests' zygote or torchrun as the launcher):
+    ``python -m monai.bundle run`` with this interpreter; a launcher's words in its place."""
+    plan = cv.make_plan(configs("train.yaml", "demo.yaml"), str(tmp_path), {"bundle_root": str(ROOT)})
+    commands = []
+    monkeypatch.setattr(cv.subprocess, "run", lambda command, **_: commands.append(command) or SimpleNamespace(
+        returncode=1))  # fmt: skip
+    for launcher in (None, "torchrun --standalone --nproc_per_node=2"):
+        with pytest.raises(cv.CrossValidationError, match="fold 0: training ended with status 1"):
+            cv.train_fold(plan, 0, launcher)
+    assert commands[0][:5] == [sys.executable, "-m", "monai.bundle", "run", "--config_file"]
+    assert commands[1][:6] == ["torchrun", "--standalone", "--nproc_per_node=2", "-m", "monai.bundle", "run"]
+    assert commands[0][1:] == commands[1][3:], "the same fold's run either way"
 
 
 def test_folds_come_from_the_datalist_and_must_be_two_or_more(tmp_path):

@@ -14,6 +14,7 @@ destination. Each fact the night shows is its own test below.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import os
 import re
@@ -22,6 +23,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from collections import Counter
@@ -38,8 +40,11 @@ from pynetdicom import AE, AllStoragePresentationContexts, evt
 from pynetdicom.sop_class import Verification
 from scripts.inference.node.receive import Receiver
 from scripts.inference.node.send import Destination, new_record, send
-from scripts.inference.node.serve import forwarded_args, unchanged
+from scripts.inference.node.serve import forwarded_args, infer, unchanged
 from scripts.inference.node.spool import Spool, Version
+
+# the module (the package exports its function serve under the same name)
+serve_module = importlib.import_module("scripts.inference.node.serve")
 
 # dcmtk's, not the Python ones of the same name pynetdicom installs into the environment
 DCMTK = "/usr/local/bin:/usr/bin:/bin"
@@ -254,6 +259,45 @@ def test_a_destination_that_is_down_is_tried_again_later_and_then_given_up(tmp_p
         waits.append(record["next_try"] - before if record["status"] == "pending" else None)
     assert record["status"] == "failed" and version.sending(str(down))["status"] == "failed"
     assert 2.0 <= waits[0] < 3.0 and 4.0 <= waits[1] < 5.0 and waits[2] is None, f"back-off doubles: {waits}"
+
+
+def test_a_study_is_inferred_by_the_launcher_given_found_on_path_and_its_failure_recorded_from_the_log(tmp_path):
+    """--dicom_launcher's words start the study's inference in place of python (here a shell that records what it was
+    asked to run, then fails): looked up on PATH, given ``-m monai.bundle run inference`` with serve's options and
+    the version's folders; the failure recorded with the log's last line."""
+    version = Version(tmp_path / "studies" / "1.2.3" / "v1")
+    version.input_dir.mkdir(parents=True)
+    asked = tmp_path / "asked.txt"
+    launcher = ["sh", "-c", f'printf "%s\\n" "$@" > {shlex.quote(str(asked))}; echo no GPU here; exit 3', "sh"]
+    outcome = infer(version, ["--model_path", "m.pt"], python=launcher)
+    assert asked.read_text().splitlines() == ["-m", "monai.bundle", "run", "inference", "--model_path", "m.pt",
+                                              "--input_dir", str(version.input_dir), "--output_dir",
+                                              str(version.output_dir)]  # fmt: skip
+    assert outcome["status"] == "failed" and outcome["returncode"] == 3
+    assert outcome["reason"] == "inference ended with status 3: no GPU here"
+
+
+def test_without_a_launcher_a_study_is_inferred_by_this_python_wrapped_to_die_with_the_node(tmp_path, monkeypatch):
+    """The default, which the night's node does not take (it is given the tests' zygote as its launcher)."""
+    started = []
+
+    class Finished:
+        returncode = 0
+
+        def __init__(self, command, **kwargs) -> None:
+            started.append(command)
+
+        def poll(self) -> int:
+            return 0
+
+    monkeypatch.setattr(serve_module.subprocess, "Popen", Finished)
+    version = Version(tmp_path / "studies" / "1.2.3" / "v1")
+    version.folder.mkdir(parents=True)
+    (version.folder / "inference.log").write_text("")
+    infer(version, ["--tta", "true"])
+    wrapper, command = started[0][:4], started[0][4:]
+    assert wrapper == [sys.executable, "-c", serve_module._WITH_PARENT, str(os.getpid())]
+    assert command[:7] == [sys.executable, "-m", "monai.bundle", "run", "inference", "--tta", "true"]
 
 
 # ------------------------------------------------------------------------------------------------ a night of a node
